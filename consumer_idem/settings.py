@@ -1,0 +1,33 @@
+"""Configuration read from the environment (``CONSUMER_IDEM_*``), with localhost defaults.
+
+The same names are used by the library, the tests, the examples and ``scripts/services``.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Connection settings. Every field reads ``CONSUMER_IDEM_<FIELD>`` from the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="CONSUMER_IDEM_", extra="ignore")
+
+    pg_dsn: str = Field(
+        default="postgresql://postgres:postgres@127.0.0.1:5432/postgres",
+        description="PostgreSQL DSN of the idempotency store (and, usually, the handlers' data).",
+    )
+    kafka_bootstrap: str = Field(default="127.0.0.1:9092", description="Kafka bootstrap servers.")
+    amqp_url: str = Field(default="amqp://guest:guest@127.0.0.1:5672/", description="RabbitMQ URL.")
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis URL.")
+    schema_name: str = Field(
+        default="consumer_idem",
+        validation_alias="CONSUMER_IDEM_SCHEMA",
+        description="Postgres schema holding the store's tables.",
+    )
+
+
+def load_settings() -> Settings:
+    """Read the settings from the environment now (not cached: tests change the environment)."""
+    return Settings()

@@ -1,0 +1,126 @@
+"""Readiness of the four services, each checked with a real client request.
+
+Used by ``scripts/services``; prints a status table and exits non-zero naming what failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Awaitable, Callable
+
+from consumer_idem.settings import load_settings
+
+READY_TOPIC = "consumer_idem.ready"
+
+
+async def check_postgres() -> str:
+    import asyncpg
+
+    conn = await asyncpg.connect(load_settings().pg_dsn, timeout=3)
+    try:
+        version = await conn.fetchval("SELECT current_setting('server_version')")
+    finally:
+        await conn.close()
+    return f"PostgreSQL {version}"
+
+
+async def check_kafka() -> str:
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.errors import TopicAlreadyExistsError
+
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=load_settings().kafka_bootstrap, request_timeout_ms=5000
+    )
+    await admin.start()
+    try:
+        with contextlib.suppress(TopicAlreadyExistsError):
+            await admin.create_topics([NewTopic(READY_TOPIC, 1, 1)])
+        topics = await admin.list_topics()
+        if READY_TOPIC not in topics:
+            raise RuntimeError("topic creation not visible in metadata yet")
+        cluster = await admin.describe_cluster()
+    finally:
+        await admin.close()
+    return f"Kafka cluster {cluster['cluster_id']}"
+
+
+async def check_rabbitmq() -> str:
+    import aio_pika
+
+    conn = await aio_pika.connect(load_settings().amqp_url, timeout=3)
+    try:
+        channel = await conn.channel(publisher_confirms=True)
+        await channel.close()
+        props = conn.transport.connection.server_properties if conn.transport else {}
+    finally:
+        await conn.close()
+    version = props.get("version", b"?")
+    return f"RabbitMQ {version.decode() if isinstance(version, bytes) else version}"
+
+
+async def check_redis() -> str:
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(load_settings().redis_url, socket_timeout=3)
+    try:
+        if not await client.ping():
+            raise RuntimeError("PING did not answer PONG")
+        info = await client.info("server")
+    finally:
+        await client.aclose()
+    return f"Redis {info.get('redis_version', '?')}"
+
+
+CHECKS: dict[str, tuple[str, Callable[[], Awaitable[str]]]] = {
+    "postgres": ("127.0.0.1:5432", check_postgres),
+    "kafka": ("127.0.0.1:9092", check_kafka),
+    "rabbitmq": ("127.0.0.1:5672", check_rabbitmq),
+    "redis": ("127.0.0.1:6379", check_redis),
+}
+
+
+async def wait_ready(name: str, budget_s: float) -> tuple[bool, str, float]:
+    start = time.monotonic()
+    last = "not tried"
+    while True:
+        try:
+            detail = await asyncio.wait_for(CHECKS[name][1](), timeout=10)
+            return True, detail, time.monotonic() - start
+        except Exception as exc:  # any failure means "not ready yet"; keep the last reason
+            last = f"{type(exc).__name__}: {exc}".strip()[:120]
+        if time.monotonic() - start >= budget_s:
+            return False, last, time.monotonic() - start
+        await asyncio.sleep(1)
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--timeout", type=float, default=60)
+    parser.add_argument("--log", action="append", default=[], help="service=path of its log")
+    args = parser.parse_args()
+    # Client libraries log every refused connection while a service boots; the table says enough.
+    logging.disable(logging.CRITICAL)
+    logs = dict(item.split("=", 1) for item in args.log)
+    results = await asyncio.gather(*(wait_ready(name, args.timeout) for name in CHECKS))
+    print(f"{'service':<10} {'address':<16} {'state':<8} {'secs':>5}  detail")
+    failed = []
+    for (name, (address, _)), (ok, detail, secs) in zip(CHECKS.items(), results, strict=True):
+        state = "ready" if ok else "FAILED"
+        print(f"{name:<10} {address:<16} {state:<8} {secs:5.1f}  {detail}")
+        if not ok:
+            failed.append(name)
+    for name in failed:
+        print(
+            f"{name} did not become ready; its log: {logs.get(name, '(docker compose logs)')}",
+            file=sys.stderr,
+        )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

@@ -1,0 +1,152 @@
+"""Shared fixtures: real PostgreSQL, Kafka, RabbitMQ and Redis.
+
+A service that does not answer fails the test that needs it, naming the service (never a skip):
+`make test` starts the services first, and CI must not go green on a machine without them.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import aio_pika
+import asyncpg
+import pytest
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from consumer_idem.settings import Settings, load_settings
+
+
+def service_missing(name: str, target: str, exc: BaseException) -> None:
+    ci = " (CI=true)" if os.environ.get("CI") == "true" else ""
+    pytest.fail(
+        f"{name} is not reachable at {target}{ci}: {type(exc).__name__}: {exc}. "
+        "Start the services with `scripts/services up` (`make test` does it for you).",
+        pytrace=False,
+    )
+
+
+def with_database(dsn: str, database: str) -> str:
+    parts = urlsplit(dsn)
+    return urlunsplit(parts._replace(path=f"/{database}"))
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def settings() -> Settings:
+    return load_settings()
+
+
+@pytest.fixture(scope="session")
+async def pg_dsn(settings: Settings) -> AsyncIterator[str]:
+    """A fresh database for this test session, dropped at the end."""
+    try:
+        admin = await asyncpg.connect(settings.pg_dsn, timeout=5)
+    except Exception as exc:
+        service_missing("PostgreSQL", settings.pg_dsn, exc)
+    name = f"consumer_idem_test_{uuid.uuid4().hex[:10]}"
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    yield with_database(settings.pg_dsn, name)
+    admin = await asyncpg.connect(settings.pg_dsn, timeout=5)
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
+@pytest.fixture(scope="session")
+async def pg_pool(pg_dsn: str) -> AsyncIterator[asyncpg.Pool]:
+    pool = await asyncpg.create_pool(pg_dsn, min_size=2, max_size=20)
+    assert pool is not None
+    yield pool
+    await pool.close()
+
+
+@pytest.fixture(scope="session")
+async def kafka_admin(settings: Settings) -> AsyncIterator[AIOKafkaAdminClient]:
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=settings.kafka_bootstrap, request_timeout_ms=10000
+    )
+    try:
+        await admin.start()
+        await admin.list_topics()
+    except Exception as exc:
+        await admin.close()
+        service_missing("Kafka", settings.kafka_bootstrap, exc)
+    yield admin
+    await admin.close()
+
+
+@pytest.fixture
+async def kafka_topic_factory(kafka_admin: AIOKafkaAdminClient) -> AsyncIterator[Any]:
+    """Creates unique topics (deleted after the test)."""
+    created: list[str] = []
+
+    async def make(prefix: str = "t", partitions: int = 1) -> str:
+        name = unique(prefix)
+        await kafka_admin.create_topics([NewTopic(name, partitions, 1)])
+        created.append(name)
+        return name
+
+    yield make
+    if created:
+        await kafka_admin.delete_topics(created)
+
+
+@pytest.fixture
+async def kafka_producer(
+    settings: Settings, kafka_admin: AIOKafkaAdminClient
+) -> AsyncIterator[AIOKafkaProducer]:
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all")
+    await producer.start()
+    yield producer
+    await producer.stop()
+
+
+@pytest.fixture(scope="session")
+async def amqp_connection(settings: Settings) -> AsyncIterator[aio_pika.abc.AbstractConnection]:
+    try:
+        conn = await aio_pika.connect(settings.amqp_url, timeout=5)
+    except Exception as exc:
+        service_missing("RabbitMQ", settings.amqp_url, exc)
+    yield conn
+    await conn.close()
+
+
+@pytest.fixture
+def queue_name() -> str:
+    """A unique queue name; tests declare it (auto-delete or delete it themselves)."""
+    return unique("q")
+
+
+@pytest.fixture(scope="session")
+async def redis_client(settings: Settings) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.from_url(settings.redis_url, socket_timeout=5)
+    try:
+        await client.ping()
+    except Exception as exc:
+        await client.aclose()
+        service_missing("Redis", settings.redis_url, exc)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def redis_prefix(redis_client: aioredis.Redis) -> AsyncIterator[str]:
+    """A key prefix private to this test; its keys are deleted afterwards."""
+    prefix = unique("test") + ":"
+    yield prefix
+    keys = [k async for k in redis_client.scan_iter(match=prefix + "*")]
+    if keys:
+        await redis_client.delete(*keys)
