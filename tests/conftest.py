@@ -150,3 +150,19 @@ async def redis_prefix(redis_client: aioredis.Redis) -> AsyncIterator[str]:
     keys = [k async for k in redis_client.scan_iter(match=prefix + "*")]
     if keys:
         await redis_client.delete(*keys)
+
+
+@pytest.fixture(scope="session")
+async def store(pg_pool: asyncpg.Pool) -> Any:
+    """The Postgres store on the session database, migrated once."""
+    from consumer_idem import PostgresStore
+
+    store = PostgresStore(pg_pool)
+    await store.migrate()
+    return store
+
+
+@pytest.fixture
+def scope() -> str:
+    """A scope private to one test: records of different tests never meet."""
+    return unique("scope")

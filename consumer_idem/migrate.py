@@ -1,0 +1,69 @@
+"""Versioned SQL migrations shipped in ``consumer_idem/migrations``.
+
+Every file ``NNNN_name.sql`` is applied once, in order, inside one transaction per run that
+holds an advisory lock, so several processes starting together migrate exactly once.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import resources
+
+import asyncpg
+
+_IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+_FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+
+def validate_schema(schema: str) -> str:
+    """The schema name is put into SQL text, so only plain lower-case identifiers are allowed."""
+    if not _IDENT.match(schema):
+        raise ValueError(f"invalid schema name {schema!r}: use [a-z_][a-z0-9_]*, at most 63 chars")
+    return schema
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+
+def available() -> list[Migration]:
+    found = []
+    for entry in resources.files("consumer_idem.migrations").iterdir():
+        match = _FILE.match(entry.name)
+        if match:
+            found.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))
+    return sorted(found, key=lambda m: m.version)
+
+
+async def apply(conn: asyncpg.Connection, schema: str) -> list[int]:
+    """Apply pending migrations to ``schema``; returns the versions applied now."""
+    schema = validate_schema(schema)
+    applied_now: list[int] = []
+    async with conn.transaction():
+        # One lock per schema: concurrent starters queue here instead of racing CREATE SCHEMA.
+        await conn.execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", f"consumer_idem:{schema}"
+        )
+        await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+        await conn.execute(f'SET LOCAL search_path TO "{schema}"')
+        await conn.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations ("
+            " version integer PRIMARY KEY, name text NOT NULL,"
+            " applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        done = {r["version"] for r in await conn.fetch("SELECT version FROM schema_migrations")}
+        for migration in available():
+            if migration.version in done:
+                continue
+            await conn.execute(migration.sql)
+            await conn.execute(
+                "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)",
+                migration.version,
+                migration.name,
+            )
+            applied_now.append(migration.version)
+    return applied_now

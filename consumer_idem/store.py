@@ -1,0 +1,572 @@
+"""The PostgreSQL idempotency store: reservations and every state transition.
+
+Every write after a reservation is conditional on the owner token (fencing), and every database
+failure surfaces as :class:`StoreUnavailable` so that no caller proceeds unprotected.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import StrEnum
+from typing import Any, TypeVar
+
+import asyncpg
+
+from consumer_idem import migrate
+from consumer_idem.errors import LeaseLost, NotUnknown, StoreUnavailable
+from consumer_idem.keys import normalize_key, validate_scope
+from consumer_idem.metrics import Metrics
+from consumer_idem.types import Decision, DecisionKind, Record, ResultKind, StoredResponse
+
+log = logging.getLogger("consumer_idem.store")
+
+T = TypeVar("T")
+
+DEFAULT_LEASE = timedelta(seconds=30)
+DEFAULT_RETENTION = timedelta(days=7)
+
+_DECISION_COUNTER = {
+    DecisionKind.EXECUTE: "created",
+    DecisionKind.REPLAY: "replay",
+    DecisionKind.IN_PROGRESS: "in_progress",
+    DecisionKind.MISUSE: "key_misuse",
+    DecisionKind.UNKNOWN: "unknown",
+}
+
+
+class PrunePolicy(StrEnum):
+    DELETE = "delete"  #: expired rows are deleted
+    SOFT = "soft"  #: expired rows become ``expired`` (kept for audit), and are deleted later
+
+
+@dataclass(frozen=True, slots=True)
+class Executed:
+    """Reconciliation answer: the work did happen; store this result."""
+
+    result: Any = None
+    result_kind: ResultKind = ResultKind.SUCCESS
+    response: StoredResponse | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NotExecuted:
+    """Reconciliation answer: the work provably did not happen; it may run again."""
+
+    reason: str = "reconciled: not executed"
+
+
+Resolution = Executed | NotExecuted
+
+
+def encode_result(result: Any) -> str | None:
+    """Results are stored as JSON text; ``None`` stays SQL NULL."""
+    if result is None:
+        return None
+    try:
+        return json.dumps(result, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"handler result must be JSON-serialisable: {exc}") from exc
+
+
+def _seconds(value: timedelta | float) -> timedelta:
+    return value if isinstance(value, timedelta) else timedelta(seconds=value)
+
+
+class PostgresStore:
+    """Idempotency records in PostgreSQL, one row per (scope, key).
+
+    ``pool`` is an asyncpg pool; the store never closes it. Methods taking ``conn`` run on that
+    connection (inside the caller's transaction) instead of a pooled one, so the caller's own
+    writes and the store's transition commit together.
+    """
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        *,
+        schema: str = "consumer_idem",
+        lease: timedelta | float = DEFAULT_LEASE,
+        retention: timedelta | float = DEFAULT_RETENTION,
+        metrics: Metrics | None = None,
+        hash_invalid_keys: bool = False,
+        command_timeout: float = 30.0,
+    ) -> None:
+        self.pool = pool
+        self.schema = migrate.validate_schema(schema)
+        self.lease = _seconds(lease)
+        self.retention = _seconds(retention)
+        self.metrics = metrics or Metrics()
+        self.hash_invalid_keys = hash_invalid_keys
+        self.command_timeout = command_timeout
+        self.table = f'"{self.schema}".idempotency_records'
+        self._reserve_sql = (
+            f'SELECT decision, zombie, rec FROM "{self.schema}".reserve($1, $2, $3, $4, $5, $6)'
+        )
+
+    # --- plumbing ------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def connection(self, conn: asyncpg.Connection | None = None) -> AsyncIterator[Any]:
+        """Yield ``conn`` itself, or a pooled connection; pool failures become StoreUnavailable."""
+        if conn is not None:
+            yield conn
+            return
+        try:
+            acquired = self.pool.acquire(timeout=self.command_timeout)
+            connection = await acquired.__aenter__()
+        except Exception as exc:
+            raise self._unavailable("acquire", exc) from exc
+        try:
+            yield connection
+        finally:
+            try:
+                await acquired.__aexit__(None, None, None)
+            except Exception:  # releasing a broken connection must not mask the real error
+                log.debug("releasing a connection failed", exc_info=True)
+
+    def _unavailable(self, operation: str, exc: BaseException, scope: str = "") -> StoreUnavailable:
+        self.metrics.inc("store_error", scope)
+        log.warning(
+            "store %s failed: %s: %s",
+            operation,
+            type(exc).__name__,
+            exc,
+            extra={"scope": scope, "operation": operation},
+        )
+        return StoreUnavailable(
+            f"idempotency store {operation} failed: {type(exc).__name__}: {exc}"
+        )
+
+    async def _run(
+        self,
+        operation: str,
+        scope: str,
+        conn: asyncpg.Connection | None,
+        call: Callable[[Any], Awaitable[T]],
+    ) -> T:
+        started = time.perf_counter()
+        try:
+            async with self.connection(conn) as c:
+                return await call(c)
+        except (LeaseLost, NotUnknown, StoreUnavailable):
+            raise
+        except Exception as exc:  # any database failure means: do not proceed
+            raise self._unavailable(operation, exc, scope) from exc
+        finally:
+            self.metrics.observe(operation, time.perf_counter() - started)
+
+    def check(self, scope: str, key: str | bytes) -> tuple[str, str]:
+        """Validate scope and key (raises InvalidKey); returns them as stored."""
+        return validate_scope(scope), normalize_key(key, hash_invalid=self.hash_invalid_keys)
+
+    # --- schema --------------------------------------------------------------------------------
+
+    async def migrate(self) -> list[int]:
+        """Create or upgrade the schema; safe when several processes run it at once."""
+        return await self._run("migrate", "", None, lambda c: migrate.apply(c, self.schema))
+
+    # --- reservation ---------------------------------------------------------------------------
+
+    async def reserve(
+        self,
+        scope: str,
+        key: str | bytes,
+        fingerprint: str,
+        *,
+        lease: timedelta | float | None = None,
+        retention: timedelta | float | None = None,
+        conn: asyncpg.Connection | None = None,
+    ) -> Decision:
+        """Decide what this delivery may do (see :class:`DecisionKind`)."""
+        scope, key = self.check(scope, key)
+        token = uuid.uuid4()
+        lease_td = self.lease if lease is None else _seconds(lease)
+        retention_td = self.retention if retention is None else _seconds(retention)
+
+        async def call(c: Any) -> Any:
+            return await c.fetchrow(
+                self._reserve_sql,
+                scope,
+                key,
+                fingerprint,
+                token,
+                lease_td,
+                retention_td,
+                timeout=self.command_timeout,
+            )
+
+        row = await self._run("reserve", scope, conn, call)
+        decision = Decision(
+            DecisionKind(row["decision"]), Record.from_row(row["rec"]), row["zombie"]
+        )
+        self.metrics.inc(_DECISION_COUNTER[decision.kind], scope)
+        if decision.zombie:
+            self.metrics.inc("zombie", scope)
+            log.warning("lease expired: parked as unknown", extra={"scope": scope, "key": key})
+        log.debug("reserve -> %s", decision.kind, extra={"scope": scope, "key": key})
+        return decision
+
+    # --- owner transitions (fenced by the token) ----------------------------------------------
+
+    async def _owner_update(
+        self,
+        operation: str,
+        scope: str,
+        key: str,
+        token: uuid.UUID,
+        assignments: str,
+        args: tuple[Any, ...],
+        conn: asyncpg.Connection | None,
+    ) -> Record:
+        sql = (
+            f"UPDATE {self.table} SET {assignments}, owner_token = NULL, locked_until = NULL,"
+            " updated_at = now()"
+            " WHERE scope = $1 AND key = $2 AND owner_token = $3 AND status = 'in_progress'"
+            " RETURNING *"
+        )
+
+        async def call(c: Any) -> Any:
+            return await c.fetchrow(sql, scope, key, token, *args, timeout=self.command_timeout)
+
+        row = await self._run(operation, scope, conn, call)
+        if row is None:
+            self.metrics.inc("lease_lost", scope)
+            raise LeaseLost(
+                f"{operation}: ({scope!r}, {key!r}) is no longer held by this owner "
+                "(lease expired and the record was taken over, resolved or evicted)"
+            )
+        return Record.from_row(row)
+
+    async def complete(
+        self,
+        scope: str,
+        key: str,
+        token: uuid.UUID,
+        result: Any = None,
+        *,
+        result_kind: ResultKind = ResultKind.SUCCESS,
+        response: StoredResponse | None = None,
+        retention: timedelta | float | None = None,
+        conn: asyncpg.Connection | None = None,
+    ) -> Record:
+        """Store the result and mark the record ``completed``. Pass ``conn`` to commit it with
+        your own writes. Raises :class:`LeaseLost` when this owner no longer holds the record."""
+        retention_td = self.retention if retention is None else _seconds(retention)
+        return await self._owner_update(
+            "complete",
+            scope,
+            key,
+            token,
+            "status = 'completed', result = $4::json, result_kind = $5, http_status = $6,"
+            " http_headers = $7::jsonb, http_body = $8, last_error = NULL, completed_at = now(),"
+            " expires_at = now() + $9::interval",
+            (
+                encode_result(result),
+                result_kind.value,
+                response.status if response else None,
+                json.dumps(dict(response.headers)) if response else None,
+                response.body if response else None,
+                retention_td,
+            ),
+            conn,
+        )
+
+    async def fail_retryable(
+        self,
+        scope: str,
+        key: str,
+        token: uuid.UUID,
+        error: str = "retryable",
+        *,
+        conn: asyncpg.Connection | None = None,
+    ) -> Record:
+        """The work provably did not happen: the next delivery may re-acquire the key."""
+        record = await self._owner_update(
+            "fail_retryable",
+            scope,
+            key,
+            token,
+            "status = 'failed_retryable', last_error = $4",
+            (error,),
+            conn,
+        )
+        self.metrics.inc("failed_retry", scope)
+        return record
+
+    async def mark_unknown(
+        self,
+        scope: str,
+        key: str,
+        token: uuid.UUID,
+        error: str = "ambiguous",
+        *,
+        conn: asyncpg.Connection | None = None,
+    ) -> Record:
+        """The work may have happened: park the record for reconciliation."""
+        record = await self._owner_update(
+            "mark_unknown",
+            scope,
+            key,
+            token,
+            "status = 'unknown', last_error = $4, reconcile_after = now(),"
+            " reconcile_published_at = NULL",
+            (error,),
+            conn,
+        )
+        self.metrics.inc("unknown", scope)
+        log.warning("parked as unknown: %s", error, extra={"scope": scope, "key": key})
+        return record
+
+    # --- records written without a prior reservation (transactional mode failure paths) -------
+
+    async def record_failure(
+        self,
+        scope: str,
+        key: str,
+        fingerprint: str,
+        status: str,
+        error: str,
+        *,
+        retention: timedelta | float | None = None,
+    ) -> Record | None:
+        """After a rolled-back transactional attempt, remember it as ``failed_retryable`` (with its
+        attempt count) or ``unknown``. Leaves an existing record in any other state alone and
+        returns ``None`` then (someone else got there first)."""
+        retention_td = self.retention if retention is None else _seconds(retention)
+        sql = (
+            f"INSERT INTO {self.table} AS t (scope, key, fingerprint, status, last_error,"
+            " reconcile_after, expires_at)"
+            " VALUES ($1, $2, $3, $4, $5, CASE WHEN $4 = 'unknown' THEN now() END,"
+            " now() + $6::interval)"
+            " ON CONFLICT (scope, key) DO UPDATE SET status = EXCLUDED.status,"
+            " attempts = t.attempts + 1, last_error = EXCLUDED.last_error,"
+            " reconcile_after = EXCLUDED.reconcile_after, reconcile_published_at = NULL,"
+            " updated_at = now()"
+            " WHERE t.status = 'failed_retryable' AND t.fingerprint = EXCLUDED.fingerprint"
+            " RETURNING *"
+        )
+
+        async def call(c: Any) -> Any:
+            return await c.fetchrow(
+                sql,
+                scope,
+                key,
+                fingerprint,
+                status,
+                error,
+                retention_td,
+                timeout=self.command_timeout,
+            )
+
+        row = await self._run("record_failure", scope, None, call)
+        if row is None:
+            return None
+        self.metrics.inc("unknown" if status == "unknown" else "failed_retry", scope)
+        return Record.from_row(row)
+
+    async def complete_new(
+        self,
+        scope: str,
+        key: str,
+        fingerprint: str,
+        result: Any,
+        result_kind: ResultKind,
+        *,
+        retention: timedelta | float | None = None,
+    ) -> Record | None:
+        """Store a completed result for a key that has no live record (a deterministic domain
+        error whose transaction was rolled back). Returns ``None`` if another record won."""
+        retention_td = self.retention if retention is None else _seconds(retention)
+        sql = (
+            f"INSERT INTO {self.table} AS t (scope, key, fingerprint, status, result, result_kind,"
+            " completed_at, expires_at)"
+            " VALUES ($1, $2, $3, 'completed', $4::json, $5, now(), now() + $6::interval)"
+            " ON CONFLICT (scope, key) DO UPDATE SET status = 'completed',"
+            " result = EXCLUDED.result,"
+            " result_kind = EXCLUDED.result_kind, attempts = t.attempts + 1, last_error = NULL,"
+            " completed_at = now(), updated_at = now(), expires_at = EXCLUDED.expires_at"
+            " WHERE t.status = 'failed_retryable' AND t.fingerprint = EXCLUDED.fingerprint"
+            " RETURNING *"
+        )
+
+        async def call(c: Any) -> Any:
+            return await c.fetchrow(
+                sql,
+                scope,
+                key,
+                fingerprint,
+                encode_result(result),
+                result_kind.value,
+                retention_td,
+                timeout=self.command_timeout,
+            )
+
+        row = await self._run("complete_new", scope, None, call)
+        return None if row is None else Record.from_row(row)
+
+    # --- reconciliation ------------------------------------------------------------------------
+
+    async def resolve(
+        self,
+        scope: str,
+        key: str,
+        resolution: Resolution,
+        *,
+        retention: timedelta | float | None = None,
+        conn: asyncpg.Connection | None = None,
+    ) -> Record:
+        """Settle an ``unknown`` record (the reconciliation path only): ``Executed`` ->
+        ``completed`` with its result, ``NotExecuted`` -> ``failed_retryable``.
+        Raises :class:`NotUnknown` if the record is not ``unknown``."""
+        retention_td = self.retention if retention is None else _seconds(retention)
+        if isinstance(resolution, Executed):
+            response = resolution.response
+            sql = (
+                f"UPDATE {self.table} SET status = 'completed', result = $3::json,"
+                " result_kind = $4, http_status = $5, http_headers = $6::jsonb, http_body = $7,"
+                " completed_at = now(), updated_at = now(), expires_at = now() + $8::interval,"
+                " reconcile_after = NULL"
+                " WHERE scope = $1 AND key = $2 AND status = 'unknown' RETURNING *"
+            )
+            args: tuple[Any, ...] = (
+                encode_result(resolution.result),
+                resolution.result_kind.value,
+                response.status if response else None,
+                json.dumps(dict(response.headers)) if response else None,
+                response.body if response else None,
+                retention_td,
+            )
+        else:
+            sql = (
+                f"UPDATE {self.table} SET status = 'failed_retryable', last_error = $3,"
+                " reconcile_after = NULL, updated_at = now()"
+                " WHERE scope = $1 AND key = $2 AND status = 'unknown' RETURNING *"
+            )
+            args = (resolution.reason,)
+
+        async def call(c: Any) -> Any:
+            return await c.fetchrow(sql, scope, key, *args, timeout=self.command_timeout)
+
+        row = await self._run("resolve", scope, conn, call)
+        if row is None:
+            raise NotUnknown(f"({scope!r}, {key!r}) is not unknown; nothing to resolve")
+        self.metrics.inc("reconcile_resolved", scope)
+        log.info("resolved unknown -> %s", row["status"], extra={"scope": scope, "key": key})
+        return Record.from_row(row)
+
+    # --- operators -----------------------------------------------------------------------------
+
+    async def get(self, scope: str, key: str) -> Record | None:
+        async def call(c: Any) -> Any:
+            return await c.fetchrow(
+                f"SELECT * FROM {self.table} WHERE scope = $1 AND key = $2",
+                scope,
+                key,
+                timeout=self.command_timeout,
+            )
+
+        row = await self._run("get", scope, None, call)
+        return None if row is None else Record.from_row(row)
+
+    async def evict(self, scope: str, key: str, *, token: uuid.UUID | None = None) -> bool:
+        """Delete a record. With ``token``, only while that owner still holds it (an owner
+        cleaning up after itself); without, unconditionally (an operator)."""
+        args: tuple[Any, ...]
+        if token is None:
+            sql, args = f"DELETE FROM {self.table} WHERE scope = $1 AND key = $2", (scope, key)
+        else:
+            sql = f"DELETE FROM {self.table} WHERE scope = $1 AND key = $2 AND owner_token = $3"
+            args = (scope, key, token)
+
+        async def call(c: Any) -> Any:
+            return await c.execute(sql, *args, timeout=self.command_timeout)
+
+        status: str = await self._run("evict", scope, None, call)
+        deleted = status.endswith(" 1")
+        if token is not None and not deleted:
+            self.metrics.inc("lease_lost", scope)
+            raise LeaseLost(f"evict: ({scope!r}, {key!r}) is no longer held by this owner")
+        return deleted
+
+    async def sweep(self, *, batch_size: int = 500) -> int:
+        """Park every in-progress record whose lease has expired as ``unknown`` (a zombie:
+        its owner may have acted before it vanished). Returns how many were parked."""
+        sql = (
+            f"UPDATE {self.table} t SET status = 'unknown', owner_token = NULL,"
+            " locked_until = NULL, last_error = 'lease_expired', reconcile_after = now(),"
+            " reconcile_published_at = NULL, updated_at = now()"
+            f" FROM (SELECT scope, key FROM {self.table} WHERE status = 'in_progress'"
+            " AND locked_until < clock_timestamp() ORDER BY locked_until LIMIT $1"
+            " FOR UPDATE SKIP LOCKED) due"
+            " WHERE t.scope = due.scope AND t.key = due.key AND t.status = 'in_progress'"
+            " RETURNING t.scope"
+        )
+        total = 0
+        while True:
+            rows = await self._run(
+                "sweep",
+                "",
+                None,
+                lambda c: c.fetch(sql, batch_size, timeout=self.command_timeout),
+            )
+            for scope, n in Counter(r["scope"] for r in rows).items():
+                self.metrics.inc("zombie", scope, n)
+                self.metrics.inc("unknown", scope, n)
+            total += len(rows)
+            if len(rows) < batch_size:
+                return total
+
+    async def prune(
+        self,
+        *,
+        policy: PrunePolicy = PrunePolicy.DELETE,
+        batch_size: int = 1000,
+        max_batches: int | None = None,
+        audit_retention: timedelta | float = timedelta(days=30),
+    ) -> int:
+        """Remove records past ``expires_at`` in small batches (short locks, SKIP LOCKED so several
+        pruners can run at once). Never touches ``in_progress`` or ``unknown`` records: those
+        still need an owner or an operator. With ``SOFT``, completed and failed records become
+        ``expired`` (kept ``audit_retention`` longer, never replayed) and expired ones are deleted.
+        Returns the number of rows deleted or soft-expired."""
+        live = "('completed', 'failed_retryable', 'expired')"
+        if policy is PrunePolicy.DELETE:
+            sql = (
+                f"DELETE FROM {self.table} t USING (SELECT scope, key FROM {self.table}"
+                f" WHERE expires_at < now() AND status IN {live} LIMIT $1 FOR UPDATE SKIP LOCKED) d"
+                " WHERE t.scope = d.scope AND t.key = d.key RETURNING t.scope"
+            )
+            args: tuple[Any, ...] = (batch_size,)
+        else:
+            sql = (
+                f"WITH d AS (SELECT scope, key, status FROM {self.table}"
+                f" WHERE expires_at < now() AND status IN {live} LIMIT $1 FOR UPDATE SKIP LOCKED),"
+                f" gone AS (DELETE FROM {self.table} t USING d WHERE t.scope = d.scope"
+                " AND t.key = d.key AND d.status = 'expired' RETURNING t.scope),"
+                f" soft AS (UPDATE {self.table} t SET status = 'expired', updated_at = now(),"
+                " expires_at = now() + $2::interval FROM d WHERE t.scope = d.scope"
+                " AND t.key = d.key AND d.status <> 'expired' RETURNING t.scope)"
+                " SELECT scope FROM gone UNION ALL SELECT scope FROM soft"
+            )
+            args = (batch_size, _seconds(audit_retention))
+        total = 0
+        batches = 0
+        while max_batches is None or batches < max_batches:
+            rows = await self._run(
+                "prune", "", None, lambda c: c.fetch(sql, *args, timeout=self.command_timeout)
+            )
+            for scope, n in Counter(r["scope"] for r in rows).items():
+                self.metrics.inc("pruned", scope, n)
+            total += len(rows)
+            batches += 1
+            if len(rows) < batch_size:
+                break
+        return total
