@@ -22,7 +22,7 @@ from uuid import UUID
 import asyncpg
 
 from consumer_idem.errors import Ambiguous, DomainError, LeaseLost, Retryable, StoreUnavailable
-from consumer_idem.store import PostgresStore
+from consumer_idem.store import PostgresStore, encode_result
 from consumer_idem.types import (
     Decision,
     DecisionKind,
@@ -120,35 +120,49 @@ async def run_transactional(
     unique index until this commits, then replays. If the handler raises, everything rolls back:
     :class:`DomainError` is stored as a completed domain-error result, :class:`Ambiguous` parks
     the key as ``unknown``, anything else is ``failed_retryable`` (nothing was committed).
+
+    A new key costs three round trips, like the handler's write alone (BEGIN+claim, the
+    handler's statements, result+COMMIT); a key that already has a row goes through
+    :meth:`PostgresStore.reserve` inside the same transaction.
     """
     scope, key = store.check(scope, key)
     async with store.connection() as conn:
-        tx = conn.transaction()
         try:
-            await tx.start()
-        except Exception as exc:
-            raise store._unavailable("begin", exc, scope) from exc
-        try:
-            decision = await store.reserve(scope, key, fingerprint, retention=retention, conn=conn)
-            if decision.kind is not DecisionKind.EXECUTE:
-                await tx.commit()  # keeps a zombie -> unknown transition, if reserve made one
-                return outcome_of(decision)
+            token: UUID | None = None
+            record: Record | None = None
+            attempts = 1
+            if not await store.begin_and_claim(conn, scope, key, fingerprint, retention):
+                decision = await store.reserve(
+                    scope, key, fingerprint, retention=retention, conn=conn
+                )
+                if decision.kind is not DecisionKind.EXECUTE:
+                    await _commit(store, conn, scope, conn.execute("COMMIT"))
+                    return outcome_of(decision)
+                token, attempts = decision.token, decision.record.attempts
             try:
                 result = await handler(conn)
+                encoded = encode_result(result)  # an unstorable result is a handler failure
             except (Exception, asyncio.CancelledError) as exc:
-                await _rollback(tx)
-                return await _after_rollback(store, scope, key, fingerprint, exc, retention)
-            record = await store.complete(
-                scope, key, decision.token, result, retention=retention, conn=conn
-            )
+                await _rollback(conn)
+                return await _after_rollback(store, conn, scope, key, fingerprint, exc, retention)
             try:
-                await tx.commit()
-            except Exception as exc:
-                # The commit may or may not have reached the server; both outcomes are atomic
-                # (row and effect together), so the redelivery settles it: replay or execute.
-                raise store._unavailable("commit", exc, scope) from exc
+                if token is None:
+                    await _commit(
+                        store, conn, scope, store.commit_claimed(conn, scope, key, encoded)
+                    )
+                else:
+                    record = await store.complete(
+                        scope, key, token, result, retention=retention, conn=conn
+                    )
+                    await _commit(store, conn, scope, conn.execute("COMMIT"))
+            except _Refused as refused:
+                # the server refused the commit (a deferred constraint of the handler's, a
+                # serialization failure): it rolled back, so this is a retryable handler failure
+                await _rollback(conn)
+                cause = refused.__cause__ or refused
+                return await _after_rollback(store, conn, scope, key, fingerprint, cause, retention)
         except BaseException:
-            await _rollback(tx)
+            await _rollback(conn)
             raise
     return Outcome(
         kind=OutcomeKind.EXECUTED,
@@ -157,19 +171,38 @@ async def run_transactional(
         result=result,
         result_kind=ResultKind.SUCCESS,
         record=record,
-        attempts=record.attempts,
+        attempts=attempts,
     )
 
 
-async def _rollback(tx: Any) -> None:
+class _Refused(Exception):
+    """The server answered a COMMIT with an error: the transaction was rolled back."""
+
+
+async def _commit(store: PostgresStore, conn: Any, scope: str, commit: Awaitable[Any]) -> None:
     try:
-        await tx.rollback()
-    except Exception:  # already rolled back, or the connection is gone: nothing was committed
+        await commit
+    except asyncpg.PostgresError as exc:
+        if isinstance(exc, asyncpg.PostgresConnectionError) or conn.is_closed():
+            raise store._unavailable("commit", exc, scope) from exc
+        raise _Refused(str(exc)) from exc
+    except Exception as exc:
+        # The commit may or may not have reached the server; both outcomes are atomic
+        # (row and effect together), so the redelivery settles it: replay or execute.
+        raise store._unavailable("commit", exc, scope) from exc
+
+
+async def _rollback(conn: Any) -> None:
+    try:
+        if not conn.is_closed() and conn.is_in_transaction():
+            await conn.execute("ROLLBACK")
+    except Exception:  # the connection is gone: nothing was committed
         log.debug("rollback failed", exc_info=True)
 
 
 async def _after_rollback(
     store: PostgresStore,
+    conn: Any,
     scope: str,
     key: str,
     fingerprint: str,
@@ -181,10 +214,17 @@ async def _after_rollback(
         raise exc  # shutting down: the redelivery will run it; nothing to record
     if isinstance(exc, DomainError):
         record = await store.complete_new(
-            scope, key, fingerprint, exc.result, ResultKind.DOMAIN_ERROR, retention=retention
+            scope,
+            key,
+            fingerprint,
+            exc.result,
+            ResultKind.DOMAIN_ERROR,
+            retention=retention,
+            conn=conn,
         )
         if record is None:  # someone else holds the key now: report what they have
-            return outcome_of(await store.reserve(scope, key, fingerprint, retention=retention))
+            decision = await store.reserve(scope, key, fingerprint, retention=retention, conn=conn)
+            return outcome_of(decision)
         return Outcome(
             kind=OutcomeKind.EXECUTED,
             scope=scope,
@@ -199,7 +239,7 @@ async def _after_rollback(
         "transactional handler failed (%s): %r", status, exc, extra={"scope": scope, "key": key}
     )
     failed = await store.record_failure(
-        scope, key, fingerprint, status, _error_code(exc), retention=retention
+        scope, key, fingerprint, status, _error_code(exc), retention=retention, conn=conn
     )
     kind = OutcomeKind.UNKNOWN if status == "unknown" else OutcomeKind.FAILED_RETRYABLE
     return _failed(failed, scope, key, exc, kind, parked_now=kind is OutcomeKind.UNKNOWN)

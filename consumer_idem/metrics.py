@@ -46,27 +46,41 @@ class Metrics:
 
     def __init__(self) -> None:
         self._counts: Counter[tuple[str, str]] = Counter()
+        # labelled Prometheus children, cached: .labels() takes a lock and validates each time
+        self._children: dict[tuple[str, str], Any] = {}
+
+    def _child(self, kind: str, name: str, label: str) -> Any:
+        child = self._children.get((name, label))
+        if child is None and _prom is not None:
+            if kind == "counter":
+                parent = _prometheus(
+                    "consumer_idem_events_total",
+                    "Counter",
+                    "Idempotency events by kind.",
+                    ("event", "scope"),
+                )
+                child = parent.labels(event=name, scope=label)
+            else:
+                parent = _prometheus(
+                    "consumer_idem_operation_seconds",
+                    "Histogram",
+                    "Store operation latency.",
+                    ("operation",),
+                )
+                child = parent.labels(operation=name)
+            self._children[(name, label)] = child
+        return child
 
     def inc(self, name: str, scope: str, amount: int = 1) -> None:
         self._counts[(name, scope)] += amount
-        counter = _prometheus(
-            "consumer_idem_events_total",
-            "Counter",
-            "Idempotency events by kind.",
-            ("event", "scope"),
-        )
-        if counter is not None:
-            counter.labels(event=name, scope=scope).inc(amount)
+        child = self._child("counter", name, scope)
+        if child is not None:
+            child.inc(amount)
 
     def observe(self, operation: str, seconds: float) -> None:
-        histogram = _prometheus(
-            "consumer_idem_operation_seconds",
-            "Histogram",
-            "Store operation latency.",
-            ("operation",),
-        )
-        if histogram is not None:
-            histogram.labels(operation=operation).observe(seconds)
+        child = self._child("histogram", operation, "")
+        if child is not None:
+            child.observe(seconds)
 
     def count(self, name: str, scope: str | None = None) -> int:
         """How many ``name`` events this instance saw (for one scope, or in all)."""

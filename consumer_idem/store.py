@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
 import uuid
 from collections import Counter
@@ -80,6 +81,20 @@ def _seconds(value: timedelta | float) -> timedelta:
     return value if isinstance(value, timedelta) else timedelta(seconds=value)
 
 
+def dollar_quote(text: str) -> str:
+    """A SQL literal for ``text`` with a dollar-quote tag that does not occur in it.
+
+    Only for the transactional fast path, which sends BEGIN+claim and result+COMMIT as one
+    simple-protocol query each (simple queries carry no parameters). Dollar quoting has no
+    escapes; excluding ``$tag`` from the text means no closing tag can form inside or across it.
+    Keys and scopes never hold NUL (key hygiene rejects control characters) and JSON escapes it.
+    """
+    tag = "ci"
+    while "$" + tag in text:  # rare: only then pay for a random tag
+        tag = "ci" + secrets.token_hex(4)
+    return f"${tag}${text}${tag}$"
+
+
 class PostgresStore:
     """Idempotency records in PostgreSQL, one row per (scope, key).
 
@@ -107,6 +122,8 @@ class PostgresStore:
         self.hash_invalid_keys = hash_invalid_keys
         self.command_timeout = command_timeout
         self.table = f'"{self.schema}".idempotency_records'
+        self._claim_stmt = f"consumer_idem_claim_{self.schema}"
+        self._result_stmt = f"consumer_idem_result_{self.schema}"
         self._reserve_sql = (
             f'SELECT decision, zombie, rec FROM "{self.schema}".reserve($1, $2, $3, $4, $5, $6)'
         )
@@ -213,6 +230,89 @@ class PostgresStore:
             log.warning("lease expired: parked as unknown", extra={"scope": scope, "key": key})
         log.debug("reserve -> %s", decision.kind, extra={"scope": scope, "key": key})
         return decision
+
+    # --- transactional fast path ---------------------------------------------------------------
+
+    def _fast_path_statements(self) -> dict[str, str]:
+        # Server-side prepared statements: the fast path sends simple-protocol queries (to batch
+        # BEGIN/COMMIT with a statement), and those would otherwise be planned on every call.
+        return {
+            self._claim_stmt: (
+                f"PREPARE {self._claim_stmt}(text, text, text, float8) AS"
+                f" INSERT INTO {self.table} (scope, key, fingerprint, status, result_kind,"
+                " completed_at, expires_at) VALUES ($1, $2, $3, 'completed', 'success', now(),"
+                " now() + make_interval(secs => $4)) ON CONFLICT (scope, key) DO NOTHING"
+            ),
+            self._result_stmt: (
+                f"PREPARE {self._result_stmt}(text, text, text) AS"
+                f" UPDATE {self.table} SET result = $3::json WHERE scope = $1 AND key = $2"
+            ),
+        }
+
+    async def _prepare_fast_path(self, conn: asyncpg.Connection) -> None:
+        statements = self._fast_path_statements()
+        existing = {
+            r["name"]
+            for r in await conn.fetch(
+                "SELECT name FROM pg_prepared_statements WHERE name = ANY($1::text[])",
+                list(statements),
+            )
+        }
+        for name, sql in statements.items():
+            if name not in existing:
+                await conn.execute(sql)
+
+    async def begin_and_claim(
+        self,
+        conn: asyncpg.Connection,
+        scope: str,
+        key: str,
+        fingerprint: str,
+        retention: timedelta | float | None = None,
+    ) -> bool:
+        """BEGIN a transaction on ``conn`` and claim (scope, key) in the same round trip.
+
+        The claim row is written as ``completed`` straight away: nobody can see it before this
+        transaction commits (a duplicate blocks on the unique index until then), and if the
+        transaction rolls back it never existed. Returns False when a row already exists; the
+        transaction stays open and the caller falls back to :meth:`reserve` on ``conn``.
+        """
+        retention_s = (self.retention if retention is None else _seconds(retention)).total_seconds()
+        sql = (
+            f"BEGIN; EXECUTE {self._claim_stmt}({dollar_quote(scope)}, {dollar_quote(key)},"
+            f" {dollar_quote(fingerprint)}, {retention_s!r})"
+        )
+
+        async def call(c: Any) -> str:
+            try:
+                status: str = await c.execute(sql)
+            except asyncpg.InvalidSQLStatementNameError:
+                # first use on this connection (or someone ran DEALLOCATE): prepare, retry
+                if c.is_in_transaction():
+                    await c.execute("ROLLBACK")
+                await self._prepare_fast_path(c)
+                status = await c.execute(sql)
+            return status
+
+        status = await self._run("claim", scope, conn, call)
+        claimed = status == "INSERT 0 1"
+        if claimed:
+            self.metrics.inc("created", scope)
+        return claimed
+
+    async def commit_claimed(
+        self, conn: asyncpg.Connection, scope: str, key: str, encoded: str | None
+    ) -> None:
+        """Store the handler's result (``encode_result`` of it) on a row claimed by
+        :meth:`begin_and_claim` and COMMIT, in one round trip. Errors propagate as raised
+        (the caller classifies them)."""
+        if encoded is None:
+            await conn.execute("COMMIT")
+            return
+        await conn.execute(
+            f"EXECUTE {self._result_stmt}({dollar_quote(scope)}, {dollar_quote(key)},"
+            f" {dollar_quote(encoded)}); COMMIT"
+        )
 
     # --- owner transitions (fenced by the token) ----------------------------------------------
 
@@ -336,6 +436,7 @@ class PostgresStore:
         error: str,
         *,
         retention: timedelta | float | None = None,
+        conn: asyncpg.Connection | None = None,
     ) -> Record | None:
         """After a rolled-back transactional attempt, remember it as ``failed_retryable`` (with its
         attempt count) or ``unknown``. Leaves an existing record in any other state alone and
@@ -366,7 +467,7 @@ class PostgresStore:
                 timeout=self.command_timeout,
             )
 
-        row = await self._run("record_failure", scope, None, call)
+        row = await self._run("record_failure", scope, conn, call)
         if row is None:
             return None
         self.metrics.inc("unknown" if status == "unknown" else "failed_retry", scope)
@@ -381,6 +482,7 @@ class PostgresStore:
         result_kind: ResultKind,
         *,
         retention: timedelta | float | None = None,
+        conn: asyncpg.Connection | None = None,
     ) -> Record | None:
         """Store a completed result for a key that has no live record (a deterministic domain
         error whose transaction was rolled back). Returns ``None`` if another record won."""
@@ -409,7 +511,7 @@ class PostgresStore:
                 timeout=self.command_timeout,
             )
 
-        row = await self._run("complete_new", scope, None, call)
+        row = await self._run("complete_new", scope, conn, call)
         return None if row is None else Record.from_row(row)
 
     # --- reconciliation ------------------------------------------------------------------------

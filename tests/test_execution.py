@@ -242,3 +242,39 @@ async def test_two_phase_cancellation_parks_unknown(store: PostgresStore, scope:
         await task
     record = await store.get(scope, "k")
     assert record is not None and record.status is Status.UNKNOWN
+
+
+async def test_failure_path_does_not_need_a_second_connection(pg_dsn: str, effects: str) -> None:
+    """Recording a failure reuses the connection already held: a full pool must not deadlock."""
+    pool = await asyncpg.create_pool(pg_dsn, min_size=2, max_size=2)
+    assert pool is not None
+    tight = PostgresStore(pool, command_timeout=5)
+    scope = f"tight-{id(pool)}"
+
+    async def broken(conn: asyncpg.Connection) -> Any:
+        await asyncio.sleep(0.05)
+        raise RuntimeError("boom")
+
+    try:
+        outcomes = await asyncio.gather(
+            *(run_transactional(tight, scope, f"k{i}", FP, broken) for i in range(6))
+        )
+    finally:
+        await pool.close()
+    assert {o.kind for o in outcomes} == {OutcomeKind.FAILED_RETRYABLE}
+
+
+@pytest.mark.parametrize(
+    "key", ["$ci$", "x$ci", "$ci", "it's", "$$", "$ci12345678$ tail", "ünï", "a" * 255]
+)
+async def test_keys_and_results_that_look_like_sql_quoting_round_trip(
+    store: PostgresStore, pg_pool: asyncpg.Pool, effects: str, scope: str, key: str
+) -> None:
+    result = {"note": f"{key}$ci$'; DROP TABLE exec_effects; --", "k": key}
+    outcome = await run_transactional(store, scope, key, FP, writer(scope, key, result))
+    assert outcome.kind is OutcomeKind.EXECUTED
+    replay = await run_transactional(store, scope, key, FP, writer(scope, key))
+    assert replay.kind is OutcomeKind.REPLAYED and replay.result == result
+    record = await store.get(scope, key)
+    assert record is not None and record.key == key
+    assert await count_effects(pg_pool, scope, key) == 1

@@ -19,8 +19,8 @@ from consumer_idem import (
     PrunePolicy,
     ResultKind,
     Status,
-    StoreUnavailable,
     StoredResponse,
+    StoreUnavailable,
 )
 
 FP = "v1:jcs:aaa"

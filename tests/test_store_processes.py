@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -49,15 +49,20 @@ async def test_sigkill_inside_transactional_handler_leaves_nothing(
     pg_dsn: str, pg_pool: asyncpg.Pool, store: PostgresStore, scope: str
 ) -> None:
     await pg_pool.execute("CREATE TABLE IF NOT EXISTS crash_effects (scope text, key text)")
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tests._workers", pg_dsn, scope, "k"],
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests._workers",
+        pg_dsn,
+        scope,
+        "k",
         cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
+        stdout=asyncio.subprocess.PIPE,
     )
     try:
         assert child.stdout is not None
-        assert child.stdout.readline().strip() == "IN_HANDLER"
+        line = await asyncio.wait_for(child.stdout.readline(), timeout=30)
+        assert line.strip() == b"IN_HANDLER"
         # the child is inside its open transaction: claim and effect written, not committed
         open_tx = await pg_pool.fetchval(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
@@ -66,9 +71,9 @@ async def test_sigkill_inside_transactional_handler_leaves_nothing(
         assert open_tx == 1
         uncommitted = "SELECT count(*) FROM crash_effects WHERE scope = $1"
         assert await pg_pool.fetchval(uncommitted, scope) == 0
-        os.kill(child.pid, signal.SIGKILL)
+        child.send_signal(signal.SIGKILL)
     finally:
-        child.wait(timeout=10)
+        await asyncio.wait_for(child.wait(), timeout=10)
     assert child.returncode == -signal.SIGKILL
 
     async def effects() -> int:

@@ -1,0 +1,61 @@
+"""Transactional mode (claim + one effect row + complete, one commit) against the same effect
+INSERT committed without the store, same run, same database."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import asyncpg
+
+from benchmarks.common import entry, interleaved, rate, scratch_database
+from consumer_idem import PostgresStore, run_transactional
+
+EFFECT = "INSERT INTO bench_effects (id, customer_id, amount_cents) VALUES ($1, $2, $3)"
+
+
+async def run(per_chunk: int = 300, chunks: int = 12) -> list[dict[str, Any]]:
+    results = []
+    async with scratch_database() as dsn:
+        pool = await asyncpg.create_pool(dsn, min_size=16, max_size=16)
+        assert pool is not None
+        await pool.execute(
+            "CREATE TABLE bench_effects (id text, customer_id text, amount_cents bigint)"
+        )
+        store = PostgresStore(pool)
+        await store.migrate()
+        for concurrency in (1, 16):
+            total = per_chunk * (4 if concurrency > 1 else 1)
+
+            async def raw(r: int, total: int = total, concurrency: int = concurrency) -> float:
+                async def op(i: int) -> None:
+                    async with pool.acquire() as conn, conn.transaction():
+                        await conn.execute(EFFECT, f"raw-{r}-{i}", "c1", 100)
+
+                return await rate(op, total, concurrency)
+
+            async def idem(r: int, total: int = total, concurrency: int = concurrency) -> float:
+                scope = f"bench-{uuid.uuid4().hex[:6]}"
+
+                async def op(i: int) -> None:
+                    async def handler(conn: asyncpg.Connection) -> dict[str, int]:
+                        await conn.execute(EFFECT, f"{scope}-{i}", "c1", 100)
+                        return {"ok": 1}
+
+                    await run_transactional(store, scope, f"key-{i}", "v1:jcs:x", handler)
+
+                return await rate(op, total, concurrency)
+
+            await raw(-1)  # warm-up: connections, prepared statements, table pages
+            await idem(-1)
+            base, subject = await interleaved(chunks, raw, idem)
+            results.append(
+                entry(
+                    f"store.transactional.reservations_per_s.c{concurrency}",
+                    subject,
+                    "ops/s",
+                    base,
+                )
+            )
+        await pool.close()
+    return results

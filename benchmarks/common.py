@@ -1,0 +1,95 @@
+"""Shared benchmark plumbing: a scratch database, timing, and the results file."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+
+from consumer_idem.settings import load_settings
+
+RESULTS = Path(__file__).with_name("results.json")
+
+
+@asynccontextmanager
+async def scratch_database() -> AsyncIterator[str]:
+    """A database of its own for one benchmark run, dropped afterwards."""
+    admin_dsn = load_settings().pg_dsn
+    name = f"consumer_idem_bench_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(admin_dsn)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    try:
+        yield urlunsplit(urlsplit(admin_dsn)._replace(path=f"/{name}"))
+    finally:
+        admin = await asyncpg.connect(admin_dsn)
+        try:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await admin.close()
+
+
+async def rate(op: Callable[[int], Awaitable[Any]], total: int, concurrency: int) -> float:
+    """Operations per second of ``op(i)`` for i in range(total), ``concurrency`` at a time."""
+    import asyncio
+
+    counter = iter(range(total))
+
+    async def worker() -> None:
+        for i in counter:
+            await op(i)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return total / (time.perf_counter() - start)
+
+
+async def interleaved(
+    chunks: int,
+    baseline: Callable[[int], Awaitable[float]],
+    subject: Callable[[int], Awaitable[float]],
+) -> tuple[float, float]:
+    """Alternate short chunks of baseline and subject (the machine is small and noisy, and its
+    speed drifts), so both see the same conditions; return each one's median chunk rate."""
+    base: list[float] = []
+    subj: list[float] = []
+    for r in range(chunks):
+        first, second = (baseline, subject) if r % 2 == 0 else (subject, baseline)
+        a = await first(r)
+        b = await second(r)
+        base.append(a if first is baseline else b)
+        subj.append(b if first is baseline else a)
+    return statistics.median(base), statistics.median(subj)
+
+
+def entry(name: str, value: float, unit: str, baseline: float | None) -> dict[str, Any]:
+    ratio = round(value / baseline, 3) if baseline else None
+    return {
+        "name": name,
+        "value": round(value, 1),
+        "unit": unit,
+        "baseline": round(baseline, 1) if baseline else baseline,
+        "ratio": ratio,
+    }
+
+
+def append_results(entries: list[dict[str, Any]]) -> None:
+    existing: list[dict[str, Any]] = []
+    if RESULTS.exists():
+        existing = json.loads(RESULTS.read_text())
+    RESULTS.write_text(json.dumps(existing + entries, indent=2) + "\n")
+    for e in entries:
+        ratio = f"  ratio {e['ratio']:.2f}" if e["ratio"] is not None else ""
+        print(
+            f"{e['name']:<52} {e['value']:>10.1f} {e['unit']:<10} baseline {e['baseline']}{ratio}"
+        )
