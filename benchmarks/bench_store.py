@@ -24,7 +24,9 @@ async def run(per_chunk: int = 300, chunks: int = 12) -> list[dict[str, Any]]:
         )
         store = PostgresStore(pool)
         await store.migrate()
-        for concurrency in (1, 16):
+        # (name suffix, concurrency, what the handler returns: None = nothing stored)
+        variants = [("c1", 1, None), ("c1.with_result", 1, {"ok": 1}), ("c16", 16, None)]
+        for suffix, concurrency, returned in variants:
             total = per_chunk * (4 if concurrency > 1 else 1)
 
             async def raw(r: int, total: int = total, concurrency: int = concurrency) -> float:
@@ -34,13 +36,15 @@ async def run(per_chunk: int = 300, chunks: int = 12) -> list[dict[str, Any]]:
 
                 return await rate(op, total, concurrency)
 
-            async def idem(r: int, total: int = total, concurrency: int = concurrency) -> float:
+            async def idem(
+                r: int, total: int = total, concurrency: int = concurrency, returned: Any = returned
+            ) -> float:
                 scope = f"bench-{uuid.uuid4().hex[:6]}"
 
                 async def op(i: int) -> None:
-                    async def handler(conn: asyncpg.Connection) -> dict[str, int]:
+                    async def handler(conn: asyncpg.Connection) -> Any:
                         await conn.execute(EFFECT, f"{scope}-{i}", "c1", 100)
-                        return {"ok": 1}
+                        return returned
 
                     await run_transactional(store, scope, f"key-{i}", "v1:jcs:x", handler)
 
@@ -50,12 +54,7 @@ async def run(per_chunk: int = 300, chunks: int = 12) -> list[dict[str, Any]]:
             await idem(-1)
             base, subject = await interleaved(chunks, raw, idem)
             results.append(
-                entry(
-                    f"store.transactional.reservations_per_s.c{concurrency}",
-                    subject,
-                    "ops/s",
-                    base,
-                )
+                entry(f"store.transactional.reservations_per_s.{suffix}", subject, "ops/s", base)
             )
         await pool.close()
     return results

@@ -1,0 +1,3 @@
+from consumer_idem.cli import main
+
+main()

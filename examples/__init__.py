@@ -1,0 +1,1 @@
+"""Runnable examples. `make demo` runs the payments demo."""
