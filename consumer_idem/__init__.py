@@ -3,6 +3,13 @@
 The public API is re-exported here; submodules are one concept each.
 """
 
+from consumer_idem.consumer import (
+    Action,
+    IdempotentConsumer,
+    Verdict,
+    idempotent_consumer,
+    reconcile_notice,
+)
 from consumer_idem.errors import (
     Ambiguous,
     ConsumerIdemError,
@@ -10,6 +17,7 @@ from consumer_idem.errors import (
     InvalidKey,
     LeaseLost,
     NotUnknown,
+    PoisonMessage,
     Retryable,
     StoreUnavailable,
 )
@@ -20,7 +28,17 @@ from consumer_idem.fingerprint import (
     fingerprint_json,
     fingerprint_payload,
 )
+from consumer_idem.key_strategies import (
+    amqp_message_id,
+    cloudevents,
+    first_of,
+    from_callable,
+    header,
+    kafka_coordinates,
+    payload_field,
+)
 from consumer_idem.keys import normalize_key, validate_scope
+from consumer_idem.message import ConsumerMessage, InvalidPayload
 from consumer_idem.metrics import Metrics
 from consumer_idem.settings import Settings, load_settings
 from consumer_idem.store import Executed, NotExecuted, PostgresStore, PrunePolicy, Resolution
@@ -36,20 +54,25 @@ from consumer_idem.types import (
 )
 
 __all__ = [
+    "Action",
     "Ambiguous",
     "Attempt",
     "ConsumerIdemError",
+    "ConsumerMessage",
     "Decision",
     "DecisionKind",
     "DomainError",
     "Executed",
+    "IdempotentConsumer",
     "InvalidKey",
+    "InvalidPayload",
     "LeaseLost",
     "Metrics",
     "NotExecuted",
     "NotUnknown",
     "Outcome",
     "OutcomeKind",
+    "PoisonMessage",
     "PostgresStore",
     "PrunePolicy",
     "Record",
@@ -60,12 +83,22 @@ __all__ = [
     "Status",
     "StoreUnavailable",
     "StoredResponse",
+    "Verdict",
+    "amqp_message_id",
     "canonical_json",
+    "cloudevents",
     "fingerprint_bytes",
     "fingerprint_json",
     "fingerprint_payload",
+    "first_of",
+    "from_callable",
+    "header",
+    "idempotent_consumer",
+    "kafka_coordinates",
     "load_settings",
     "normalize_key",
+    "payload_field",
+    "reconcile_notice",
     "run_transactional",
     "run_two_phase",
     "validate_scope",

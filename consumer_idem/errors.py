@@ -66,3 +66,13 @@ class DomainError(ConsumerIdemError):
     def __init__(self, result: Any, message: str = "domain error") -> None:
         super().__init__(message)
         self.result = result
+
+
+class PoisonMessage(ConsumerIdemError):
+    """The message can never be processed as it is (a required field is missing, a value is out
+    of range). Its transaction rolls back and the delivery is dead-lettered with ``reason`` at
+    once, instead of being retried. The key stays free, so a corrected copy can run."""
+
+    def __init__(self, reason: str, message: str = "") -> None:
+        super().__init__(message or reason)
+        self.reason = reason

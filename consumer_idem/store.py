@@ -314,6 +314,69 @@ class PostgresStore:
             f" {dollar_quote(encoded)}); COMMIT"
         )
 
+    async def claim_many(
+        self,
+        conn: asyncpg.Connection,
+        scope: str,
+        keys: list[str],
+        fingerprints: list[str],
+        retention: timedelta | float | None = None,
+    ) -> set[str]:
+        """Batch mode: claim many new keys with one statement, inside the caller's transaction.
+        Rows are written as ``completed`` (invisible until COMMIT, gone on rollback). Returns the
+        keys claimed; the others already have a row and go through :meth:`reserve`."""
+        retention_td = self.retention if retention is None else _seconds(retention)
+        sql = (
+            f"INSERT INTO {self.table} (scope, key, fingerprint, status, result_kind,"
+            " completed_at, expires_at)"
+            " SELECT $1, u.k, u.f, 'completed', 'success', now(), now() + $4::interval"
+            " FROM unnest($2::text[], $3::text[]) AS u(k, f)"
+            " ON CONFLICT (scope, key) DO NOTHING RETURNING key"
+        )
+        rows = await self._run(
+            "claim_many",
+            scope,
+            conn,
+            lambda c: c.fetch(
+                sql, scope, keys, fingerprints, retention_td, timeout=self.command_timeout
+            ),
+        )
+        self.metrics.inc("created", scope, len(rows))
+        return {r["key"] for r in rows}
+
+    async def store_results(
+        self, conn: asyncpg.Connection, scope: str, keys: list[str], encoded: list[str]
+    ) -> None:
+        """Batch mode: set the JSON results of rows claimed by :meth:`claim_many`."""
+        if not keys:
+            return
+        sql = (
+            f"UPDATE {self.table} t SET result = u.r::json"
+            " FROM unnest($2::text[], $3::text[]) AS u(k, r)"
+            " WHERE t.scope = $1 AND t.key = u.k"
+        )
+        await self._run(
+            "store_results",
+            scope,
+            conn,
+            lambda c: c.execute(sql, scope, keys, encoded, timeout=self.command_timeout),
+        )
+
+    async def mark_reconcile_published(self, scope: str, key: str) -> bool:
+        """Record that the reconciliation notice of an ``unknown`` record was published, so the
+        sweeper does not publish it again before it is due."""
+        sql = (
+            f"UPDATE {self.table} SET reconcile_published_at = now()"
+            " WHERE scope = $1 AND key = $2 AND status = 'unknown'"
+        )
+        status: str = await self._run(
+            "mark_published",
+            scope,
+            None,
+            lambda c: c.execute(sql, scope, key, timeout=self.command_timeout),
+        )
+        return status.endswith(" 1")
+
     # --- owner transitions (fenced by the token) ----------------------------------------------
 
     async def _owner_update(

@@ -1,0 +1,487 @@
+"""``@idempotent_consumer``: the transport-agnostic core of an idempotent message handler.
+
+The decorated object turns a :class:`ConsumerMessage` into a :class:`Verdict`: what the
+transport must do with the delivery (ack, retry later without acking, dead-letter with a reason,
+or publish a reconciliation notice and then ack). The transports (``consumer_idem.kafka``,
+``consumer_idem.rabbit``, ``consumer_idem.faststream``) only carry verdicts out; this module
+never imports a broker client.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import StrEnum
+from typing import Any, Literal
+
+import asyncpg
+
+from consumer_idem.errors import InvalidKey, PoisonMessage, StoreUnavailable
+from consumer_idem.execution import (
+    Attempt,
+    LocalWrites,
+    _rollback,
+    outcome_of,
+    run_transactional,
+    run_two_phase,
+)
+from consumer_idem.fingerprint import fingerprint_bytes, fingerprint_json
+from consumer_idem.key_strategies import (
+    KeyStrategy,
+    amqp_message_id,
+    cloudevents,
+    describe,
+    first_of,
+    header,
+)
+from consumer_idem.message import ConsumerMessage, InvalidPayload
+from consumer_idem.store import PostgresStore, encode_result
+from consumer_idem.types import DecisionKind, Outcome, OutcomeKind, ResultKind
+
+log = logging.getLogger("consumer_idem.consumer")
+
+#: Tried in order when no ``key=`` is given. Kafka coordinates are deliberately not a default:
+#: a producer's retry is a new record at a new offset, so it would never be caught as a duplicate.
+DEFAULT_KEY = first_of(header("idempotency-key"), cloudevents(), amqp_message_id())
+
+TransactionalHandler = Callable[[ConsumerMessage, asyncpg.Connection], Awaitable[Any]]
+TwoPhaseHandler = Callable[[ConsumerMessage, Attempt], Awaitable[Any]]
+BatchHandler = Callable[
+    [list[ConsumerMessage], asyncpg.Connection], Awaitable[Sequence[Any] | None]
+]
+
+
+#: headers a dead-lettered copy carries (both transports)
+DEAD_LETTER_REASON = "x-dead-letter-reason"
+DEAD_LETTER_SCOPE = "x-dead-letter-scope"
+DEAD_LETTER_KEY = "x-dead-letter-key"
+
+
+@dataclass
+class RunnerStats:
+    """What a transport runner did, for logs, the demo and tests."""
+
+    processed: int = 0  #: deliveries settled (acked or dead-lettered)
+    executed: int = 0
+    duplicates: int = 0
+    dead_lettered: int = 0
+    reconcile_published: int = 0
+    retries: int = 0
+    commits: int = 0
+
+
+class Action(StrEnum):
+    ACK = "ack"  #: the effect is durable (or never to happen): ack / commit the offset
+    RETRY = "retry"  #: do not ack; deliver this message again after ``retry_after`` seconds
+    DEAD_LETTER = "dead_letter"  #: publish to the dead-letter destination with ``reason``, then ack
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What the transport must do with one delivery."""
+
+    action: Action
+    scope: str
+    key: str | None = None
+    outcome: Outcome | None = None
+    reason: str | None = None
+    retry_after: float = 0.0
+    #: publish a reconciliation notice (durably) before acking: this delivery parked the key
+    reconcile: bool = False
+    #: a duplicate absorbed without running the handler
+    duplicate: bool = False
+
+    @property
+    def result(self) -> Any:
+        return None if self.outcome is None else self.outcome.result
+
+
+def reconcile_notice(verdict: Verdict) -> bytes:
+    """The body of a reconciliation notification. The ``unknown`` row stays the source of truth;
+    the notice only says where to look."""
+    outcome = verdict.outcome
+    record = outcome.record if outcome else None
+    return json.dumps(
+        {
+            "scope": verdict.scope,
+            "key": verdict.key,
+            "reason": (record.last_error if record else None) or verdict.reason,
+            "attempts": outcome.attempts if outcome else None,
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+class IdempotentConsumer:
+    """A handler made idempotent. Call :meth:`process` (or :meth:`process_batch`) per delivery;
+    the transports do that for you."""
+
+    def __init__(
+        self,
+        handler: Callable[..., Awaitable[Any]],
+        *,
+        store: PostgresStore,
+        scope: str,
+        key: KeyStrategy = DEFAULT_KEY,
+        mode: Literal["transactional", "two_phase"] = "transactional",
+        batch: bool = False,
+        payload: Literal["json", "bytes"] = "json",
+        fingerprint_fields: Sequence[str] | None = None,
+        local_writes: LocalWrites | None = None,
+        max_attempts: int = 5,
+        lease: timedelta | float | None = None,
+        retention: timedelta | float | None = None,
+        on_invalid_key: Literal["dead_letter", "raise"] = "dead_letter",
+        backoff: tuple[float, float] = (0.2, 30.0),
+    ) -> None:
+        if batch and mode != "transactional":
+            raise ValueError(
+                "batch mode commits many messages in one transaction: transactional only"
+            )
+        if local_writes is not None and mode != "two_phase":
+            raise ValueError(
+                "local_writes belongs to two-phase mode (transactional handlers write on conn)"
+            )
+        store.check(scope, "probe")  # a missing or bad scope fails at decoration time
+        self.handler = handler
+        self.store = store
+        self.scope = scope
+        self.key = key
+        self.mode = mode
+        self.batch = batch
+        self.payload = payload
+        self.fingerprint_fields = list(fingerprint_fields) if fingerprint_fields else None
+        self.local_writes = local_writes
+        self.max_attempts = max_attempts
+        self.lease = lease
+        self.retention = retention
+        self.on_invalid_key = on_invalid_key
+        self.backoff_base, self.backoff_max = backoff
+        self._store_failures = 0
+        self.__name__ = getattr(handler, "__name__", "idempotent_consumer")
+        self.__doc__ = handler.__doc__
+
+    @property
+    def metrics(self) -> Any:
+        return self.store.metrics
+
+    def __repr__(self) -> str:
+        return f"<IdempotentConsumer {self.scope!r} key={describe(self.key)} mode={self.mode}>"
+
+    # --- per message ---------------------------------------------------------------------------
+
+    def _backoff(self, attempt: int) -> float:
+        return float(min(self.backoff_max, self.backoff_base * 2 ** max(0, attempt - 1)))
+
+    def prepare(self, message: ConsumerMessage) -> tuple[str, str] | Verdict:
+        """Key and fingerprint of a message, or the dead-letter verdict explaining why not."""
+        try:
+            raw_key = self.key(message)
+            if raw_key is None:
+                raise InvalidKey("missing_key", f"no idempotency key found ({describe(self.key)})")
+            _, key = self.store.check(self.scope, raw_key)
+        except InvalidKey as exc:
+            self.metrics.inc("invalid_key", self.scope)
+            if self.on_invalid_key == "raise":
+                raise
+            log.warning("dead-lettering: %s", exc, extra={"scope": self.scope})
+            return Verdict(Action.DEAD_LETTER, self.scope, reason=f"invalid_key:{exc.reason}")
+        if self.payload == "bytes":
+            return key, fingerprint_bytes(message.body)
+        try:
+            value = message.json()
+            return key, fingerprint_json(value, self.fingerprint_fields)
+        except (InvalidPayload, ValueError) as exc:
+            log.warning("dead-lettering: %s", exc, extra={"scope": self.scope, "key": key})
+            return Verdict(Action.DEAD_LETTER, self.scope, key, reason="invalid_json")
+
+    def verdict(self, outcome: Outcome) -> Verdict:
+        """Map an outcome to what the transport must do."""
+        scope, key = outcome.scope, outcome.key
+        kind = outcome.kind
+        if kind is OutcomeKind.EXECUTED:
+            return Verdict(Action.ACK, scope, key, outcome)
+        if kind is OutcomeKind.REPLAYED:
+            return Verdict(Action.ACK, scope, key, outcome, duplicate=True)
+        if kind is OutcomeKind.IN_PROGRESS:
+            wait = min(max(outcome.retry_after, self.backoff_base), self.backoff_max)
+            return Verdict(
+                Action.RETRY, scope, key, outcome, reason="in_progress", retry_after=wait
+            )
+        if kind is OutcomeKind.MISUSE:
+            log.warning("key reused with another payload", extra={"scope": scope, "key": key})
+            return Verdict(Action.DEAD_LETTER, scope, key, outcome, reason="key_misuse")
+        if kind is OutcomeKind.FAILED_RETRYABLE and isinstance(outcome.error, PoisonMessage):
+            log.warning("poison message: %s", outcome.error, extra={"scope": scope, "key": key})
+            return Verdict(Action.DEAD_LETTER, scope, key, outcome, reason=outcome.error.reason)
+        if kind is OutcomeKind.FAILED_RETRYABLE:
+            if outcome.attempts >= self.max_attempts:
+                log.warning(
+                    "giving up after %d attempts: %r",
+                    outcome.attempts,
+                    outcome.error,
+                    extra={"scope": scope, "key": key},
+                )
+                return Verdict(
+                    Action.DEAD_LETTER, scope, key, outcome, reason="max_attempts_exceeded"
+                )
+            return Verdict(
+                Action.RETRY,
+                scope,
+                key,
+                outcome,
+                reason="failed_retryable",
+                retry_after=self._backoff(outcome.attempts),
+            )
+        # UNKNOWN: the row is the truth and reconciliation owns it. Only the delivery that parked
+        # it announces it; a later duplicate of a parked key is simply acked.
+        if outcome.parked_now:
+            return Verdict(Action.ACK, scope, key, outcome, reason="unknown", reconcile=True)
+        return Verdict(Action.ACK, scope, key, outcome, reason="unknown", duplicate=True)
+
+    def _store_down(self, exc: StoreUnavailable, key: str | None) -> Verdict:
+        self._store_failures += 1
+        log.warning(
+            "store unavailable, will retry: %s", exc, extra={"scope": self.scope, "key": key}
+        )
+        return Verdict(
+            Action.RETRY,
+            self.scope,
+            key,
+            reason="store_unavailable",
+            retry_after=self._backoff(self._store_failures),
+        )
+
+    async def process(self, message: ConsumerMessage) -> Verdict:
+        """Run one delivery through the store (one transaction in transactional mode)."""
+        prepared = self.prepare(message)
+        if isinstance(prepared, Verdict):
+            return prepared
+        key, fingerprint = prepared
+        try:
+            if self.mode == "two_phase":
+
+                async def action(attempt: Attempt) -> Any:
+                    return await self.handler(message, attempt)
+
+                outcome = await run_two_phase(
+                    self.store,
+                    self.scope,
+                    key,
+                    fingerprint,
+                    action,
+                    local_writes=self.local_writes,
+                    lease=self.lease,
+                    retention=self.retention,
+                )
+            else:
+
+                async def in_tx(conn: asyncpg.Connection) -> Any:
+                    if not self.batch:
+                        return await self.handler(message, conn)
+                    results = await self.handler([message], conn)
+                    return results[0] if results else None
+
+                outcome = await run_transactional(
+                    self.store, self.scope, key, fingerprint, in_tx, retention=self.retention
+                )
+        except StoreUnavailable as exc:
+            return self._store_down(exc, key)
+        self._store_failures = 0
+        return self.verdict(outcome)
+
+    # --- many messages -------------------------------------------------------------------------
+
+    async def process_batch(self, messages: Sequence[ConsumerMessage]) -> list[Verdict]:
+        """Verdicts for a run of messages from one ordered stream (a Kafka partition), in order.
+
+        The list stops at the first RETRY: what follows must wait for it, to keep the order.
+        In batch mode the whole run is claimed, handled and completed in one transaction; if any
+        part of that fails, it falls back to one message per transaction.
+        """
+        if not self.batch:
+            return await self._one_by_one(messages)
+        try:
+            return await self._as_one_transaction(messages)
+        except StoreUnavailable as exc:
+            return [self._store_down(exc, None)]
+        except Exception as exc:  # a member failed: find it by running them one by one
+            log.info(
+                "batch of %d failed (%r); falling back to one by one",
+                len(messages),
+                exc,
+                extra={"scope": self.scope},
+            )
+            return await self._one_by_one(messages)
+
+    async def _one_by_one(self, messages: Sequence[ConsumerMessage]) -> list[Verdict]:
+        verdicts = []
+        for message in messages:
+            verdict = await self.process(message)
+            verdicts.append(verdict)
+            if verdict.action is Action.RETRY:
+                break
+        return verdicts
+
+    async def _as_one_transaction(self, messages: Sequence[ConsumerMessage]) -> list[Verdict]:
+        n = len(messages)
+        verdicts: list[Verdict | None] = [None] * n
+        first_seen: dict[str, tuple[int, str]] = {}
+        repeats: list[tuple[int, int, str, str]] = []  # (index, first index, key, fingerprint)
+        for i, message in enumerate(messages):
+            prepared = self.prepare(message)
+            if isinstance(prepared, Verdict):
+                verdicts[i] = prepared
+                continue
+            key, fingerprint = prepared
+            if key in first_seen:  # the same key twice in one batch: judge it after the first
+                repeats.append((i, first_seen[key][0], key, fingerprint))
+            else:
+                first_seen[key] = (i, fingerprint)
+
+        key_at = {i: key for key, (i, _) in first_seen.items()}
+        run: list[int] = []
+        tokens: dict[int, Any] = {}
+        async with self.store.connection() as conn:
+            try:
+                await conn.execute("BEGIN")
+                keys = list(first_seen)
+                claimed = await self.store.claim_many(
+                    conn, self.scope, keys, [first_seen[k][1] for k in keys], self.retention
+                )
+                for key, (i, fingerprint) in first_seen.items():
+                    if key in claimed:
+                        run.append(i)
+                        continue
+                    decision = await self.store.reserve(
+                        self.scope, key, fingerprint, retention=self.retention, conn=conn
+                    )
+                    if decision.kind is DecisionKind.EXECUTE:
+                        run.append(i)
+                        tokens[i] = decision.token
+                    else:
+                        verdicts[i] = self.verdict(outcome_of(decision))
+                run.sort()
+                results = list(await self.handler([messages[i] for i in run], conn) or [])
+                if results and len(results) != len(run):
+                    raise ValueError(
+                        f"batch handler returned {len(results)} results for {len(run)}"
+                    )
+                results += [None] * (len(run) - len(results))
+                encoded = [encode_result(r) for r in results]
+                store_keys: list[str] = []
+                store_values: list[str] = []
+                for i, result, enc in zip(run, results, encoded, strict=True):
+                    key = key_at[i]
+                    if i in tokens:
+                        await self.store.complete(
+                            self.scope,
+                            key,
+                            tokens[i],
+                            result,
+                            retention=self.retention,
+                            conn=conn,
+                        )
+                    elif enc is not None:
+                        store_keys.append(key)
+                        store_values.append(enc)
+                await self.store.store_results(conn, self.scope, store_keys, store_values)
+                await conn.execute("COMMIT")
+            except BaseException:
+                await _rollback(conn)
+                raise
+        self._store_failures = 0
+        for i, result in zip(run, results, strict=True):
+            key = key_at[i]
+            outcome = Outcome(
+                OutcomeKind.EXECUTED,
+                self.scope,
+                key,
+                result=result,
+                result_kind=ResultKind.SUCCESS,
+                attempts=1,
+            )
+            verdicts[i] = Verdict(Action.ACK, self.scope, key, outcome)
+        for i, first, key, fingerprint in repeats:
+            original = verdicts[first]
+            if fingerprint != first_seen[key][1]:
+                self.metrics.inc("key_misuse", self.scope)
+                verdicts[i] = Verdict(Action.DEAD_LETTER, self.scope, key, reason="key_misuse")
+            elif original is not None:
+                self.metrics.inc("replay", self.scope)
+                verdicts[i] = Verdict(
+                    original.action,
+                    self.scope,
+                    key,
+                    original.outcome,
+                    original.reason,
+                    original.retry_after,
+                    duplicate=True,
+                )
+        done: list[Verdict] = []
+        for verdict in verdicts:
+            assert verdict is not None
+            done.append(verdict)
+            if verdict.action is Action.RETRY:
+                break
+        return done
+
+    async def __call__(self, message: ConsumerMessage) -> Verdict:
+        return await self.process(message)
+
+
+def idempotent_consumer(
+    store: PostgresStore,
+    *,
+    scope: str,
+    key: KeyStrategy = DEFAULT_KEY,
+    mode: Literal["transactional", "two_phase"] = "transactional",
+    batch: bool = False,
+    payload: Literal["json", "bytes"] = "json",
+    fingerprint_fields: Sequence[str] | None = None,
+    local_writes: LocalWrites | None = None,
+    max_attempts: int = 5,
+    lease: timedelta | float | None = None,
+    retention: timedelta | float | None = None,
+    on_invalid_key: Literal["dead_letter", "raise"] = "dead_letter",
+    backoff: tuple[float, float] = (0.2, 30.0),
+) -> Callable[[Callable[..., Awaitable[Any]]], IdempotentConsumer]:
+    """Make a message handler idempotent.
+
+    * ``mode="transactional"`` (default): ``async def handler(message, conn)`` does its writes on
+      ``conn``; they commit in the same transaction as the idempotency record.
+    * ``mode="two_phase"``: ``async def handler(message, attempt)`` does external I/O under a
+      lease; raise :class:`Retryable`, :class:`Ambiguous` or :class:`DomainError` to classify
+      failures. ``local_writes(conn, result)`` commits local rows with the completion.
+    * ``batch=True`` (transactional): ``async def handler(messages, conn) -> results | None``
+      handles a whole fetched run in one transaction (use ``executemany``).
+
+    ``key`` is a key strategy (see ``consumer_idem.key_strategies``); a message without a valid
+    key is dead-lettered with the reason (or raises, with ``on_invalid_key="raise"``). With
+    ``payload="json"`` (default) a body that is not JSON is dead-lettered as ``invalid_json``;
+    the fingerprint is RFC 8785 canonical JSON (of ``fingerprint_fields`` only, if given).
+    ``max_attempts`` bounds retries of provably-not-executed failures before dead-lettering.
+    """
+
+    def wrap(handler: Callable[..., Awaitable[Any]]) -> IdempotentConsumer:
+        return IdempotentConsumer(
+            handler,
+            store=store,
+            scope=scope,
+            key=key,
+            mode=mode,
+            batch=batch,
+            payload=payload,
+            fingerprint_fields=fingerprint_fields,
+            local_writes=local_writes,
+            max_attempts=max_attempts,
+            lease=lease,
+            retention=retention,
+            on_invalid_key=on_invalid_key,
+            backoff=backoff,
+        )
+
+    return wrap

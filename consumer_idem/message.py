@@ -1,0 +1,60 @@
+"""The transport-neutral view of one delivered message, built by each transport's runner."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class InvalidPayload(ValueError):
+    """The body is not what the consumer declared (e.g. not JSON): a poison message."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerMessage:
+    """One delivery. Header values are bytes as received (Kafka) or encoded to UTF-8 (AMQP)."""
+
+    body: bytes
+    headers: Mapping[str, bytes] = field(default_factory=dict)
+    #: AMQP ``message_id`` property (never FastStream's generated id)
+    message_id: str | None = None
+    #: Kafka coordinates of this delivery
+    topic: str | None = None
+    partition: int | None = None
+    offset: int | None = None
+    #: Kafka record key
+    record_key: bytes | None = None
+    #: broker redelivery count when the broker keeps one (``x-delivery-count`` on quorum queues)
+    delivery_count: int | None = None
+    content_type: str | None = None
+    #: the transport's own message object (aiokafka ConsumerRecord, aio-pika IncomingMessage)
+    raw: Any = None
+
+    def json(self) -> Any:
+        """The body decoded as JSON; raises :class:`InvalidPayload` when it is not JSON."""
+        try:
+            return json.loads(self.body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidPayload(f"body is not valid JSON: {exc}") from exc
+
+    def header(self, name: str) -> bytes | None:
+        """A header's raw value (header names are matched case-insensitively)."""
+        value = self.headers.get(name)
+        if value is not None:
+            return value
+        lowered = name.lower()
+        for key, candidate in self.headers.items():
+            if key.lower() == lowered:
+                return candidate
+        return None
+
+
+def header_bytes(value: Any) -> bytes:
+    """AMQP header values arrive as str, bytes, numbers...: keep one representation (bytes)."""
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    return str(value).encode("utf-8")
