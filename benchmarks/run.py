@@ -13,7 +13,7 @@ from typing import Any
 
 from benchmarks.common import append_results
 
-BENCHMARKS = ["store"]
+BENCHMARKS = ["store", "consumers"]
 
 
 async def main(names: list[str]) -> None:
