@@ -255,8 +255,11 @@ class IdempotentConsumer:
             retry_after=self._backoff(self._store_failures),
         )
 
-    async def process(self, message: ConsumerMessage) -> Verdict:
-        """Run one delivery through the store (one transaction in transactional mode)."""
+    async def process(
+        self, message: ConsumerMessage, conn: asyncpg.Connection | None = None
+    ) -> Verdict:
+        """Run one delivery through the store (one transaction in transactional mode).
+        ``conn``: a connection to use instead of a pooled one (transactional mode)."""
         prepared = self.prepare(message)
         if isinstance(prepared, Verdict):
             return prepared
@@ -286,7 +289,13 @@ class IdempotentConsumer:
                     return results[0] if results else None
 
                 outcome = await run_transactional(
-                    self.store, self.scope, key, fingerprint, in_tx, retention=self.retention
+                    self.store,
+                    self.scope,
+                    key,
+                    fingerprint,
+                    in_tx,
+                    retention=self.retention,
+                    conn=conn,
                 )
         except StoreUnavailable as exc:
             return self._store_down(exc, key)
@@ -318,12 +327,22 @@ class IdempotentConsumer:
             return await self._one_by_one(messages)
 
     async def _one_by_one(self, messages: Sequence[ConsumerMessage]) -> list[Verdict]:
-        verdicts = []
-        for message in messages:
-            verdict = await self.process(message)
-            verdicts.append(verdict)
-            if verdict.action is Action.RETRY:
-                break
+        verdicts: list[Verdict] = []
+        if self.mode == "two_phase":  # no connection is held across external I/O
+            for message in messages:
+                verdicts.append(await self.process(message))
+                if verdicts[-1].action is Action.RETRY:
+                    break
+            return verdicts
+        try:
+            # one connection for the run: a pooled acquire/release per message costs a round trip
+            async with self.store.connection() as conn:
+                for message in messages:
+                    verdicts.append(await self.process(message, conn))
+                    if verdicts[-1].action is Action.RETRY:
+                        break
+        except StoreUnavailable as exc:
+            verdicts.append(self._store_down(exc, None))
         return verdicts
 
     async def _as_one_transaction(self, messages: Sequence[ConsumerMessage]) -> list[Verdict]:

@@ -112,6 +112,7 @@ async def run_transactional(
     handler: TransactionalHandler,
     *,
     retention: timedelta | float | None = None,
+    conn: asyncpg.Connection | None = None,
 ) -> Outcome:
     """Claim, run ``handler(conn)`` and complete in one transaction, then commit.
 
@@ -123,10 +124,12 @@ async def run_transactional(
 
     A new key costs three round trips, like the handler's write alone (BEGIN+claim, the
     handler's statements, result+COMMIT); a key that already has a row goes through
-    :meth:`PostgresStore.reserve` inside the same transaction.
+    :meth:`PostgresStore.reserve` inside the same transaction. Pass ``conn`` (not in a
+    transaction) to run on a connection you hold, e.g. one per consumer worker, instead of a
+    pooled one.
     """
     scope, key = store.check(scope, key)
-    async with store.connection() as conn:
+    async with store.connection(conn) as conn:
         try:
             token: UUID | None = None
             record: Record | None = None

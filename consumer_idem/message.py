@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+_UNDECODED: Any = object()
+
 
 class InvalidPayload(ValueError):
     """The body is not what the consumer declared (e.g. not JSON): a poison message."""
@@ -31,13 +33,19 @@ class ConsumerMessage:
     content_type: str | None = None
     #: the transport's own message object (aiokafka ConsumerRecord, aio-pika IncomingMessage)
     raw: Any = None
+    # the decoded body, kept after the first json() call (fingerprint and handler both need it)
+    _decoded: Any = field(default=_UNDECODED, repr=False, compare=False)
 
     def json(self) -> Any:
-        """The body decoded as JSON; raises :class:`InvalidPayload` when it is not JSON."""
-        try:
-            return json.loads(self.body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise InvalidPayload(f"body is not valid JSON: {exc}") from exc
+        """The body decoded as JSON (decoded once); raises :class:`InvalidPayload` if it is not
+        JSON. Treat the value as read-only: it is shared by every caller."""
+        if self._decoded is _UNDECODED:
+            try:
+                value = json.loads(self.body)
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise InvalidPayload(f"body is not valid JSON: {exc}") from exc
+            object.__setattr__(self, "_decoded", value)
+        return self._decoded
 
     def header(self, name: str) -> bytes | None:
         """A header's raw value (header names are matched case-insensitively)."""
