@@ -166,3 +166,51 @@ async def store(pg_pool: asyncpg.Pool) -> Any:
 def scope() -> str:
     """A scope private to one test: records of different tests never meet."""
     return unique("scope")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+async def gateway_url() -> AsyncIterator[str]:
+    """The stand-in payment gateway, a real uvicorn server on loopback."""
+    import asyncio
+    import sys
+
+    import httpx
+
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "examples.fake_gateway:app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    async with httpx.AsyncClient() as client:
+        for _ in range(100):
+            try:
+                await client.get(url + "/_stats")
+                break
+            except httpx.TransportError:
+                await asyncio.sleep(0.1)
+        else:
+            proc.kill()
+            pytest.fail("the fake gateway did not start", pytrace=False)
+    yield url
+    proc.kill()  # a graceful stop would wait for a request the faults left hanging
+    await proc.wait()

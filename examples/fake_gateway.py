@@ -1,0 +1,101 @@
+"""A small stand-in payment gateway, a real ASGI app for loopback tests and examples.
+
+    uvicorn examples.fake_gateway:app --host 127.0.0.1 --port 8081
+
+POST /charges  (JSON {"amount_cents", "currency", "customer_id"}, header Idempotency-Key)
+    201 {"charge_id", "status": "succeeded", ...}; the same key again returns the same charge
+    (200). An amount ending in 13 cents is declined: 402 {"status": "declined"}.
+GET  /charges/{idempotency_key}   the charge made for that key, or 404 (for reconciliation)
+GET  /_stats                      {"charges", "requests"}
+POST /_faults                     inject failures into the next charges:
+    {"timeout_after_charge": n}   charge, then hang (the client times out: outcome unknown)
+    {"fail_before_charge": n}     503 without charging (provably not executed)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+
+class Gateway:
+    def __init__(self) -> None:
+        self.charges: dict[str, dict[str, Any]] = {}
+        self.requests = 0
+        self.faults = {"timeout_after_charge": 0, "fail_before_charge": 0}
+        self.lock = asyncio.Lock()
+
+
+state = Gateway()
+
+
+async def create_charge(request: Request) -> JSONResponse:
+    state.requests += 1
+    key = request.headers.get("idempotency-key")
+    if not key:
+        return JSONResponse({"error": "Idempotency-Key header required"}, status_code=400)
+    try:
+        body = await request.json()
+        amount, currency = int(body["amount_cents"]), str(body["currency"])
+    except (ValueError, KeyError, TypeError):
+        return JSONResponse({"error": "amount_cents and currency required"}, status_code=422)
+    async with state.lock:
+        if state.faults["fail_before_charge"] > 0:
+            state.faults["fail_before_charge"] -= 1
+            return JSONResponse({"error": "temporarily unavailable"}, status_code=503)
+        existing = state.charges.get(key)
+        if existing is not None:
+            return JSONResponse(
+                existing, status_code=200 if existing["status"] != "declined" else 402
+            )
+        declined = amount % 100 == 13
+        charge = {
+            "charge_id": f"ch_{uuid.uuid4().hex[:16]}",
+            "status": "declined" if declined else "succeeded",
+            "amount_cents": amount,
+            "currency": currency,
+            "customer_id": body.get("customer_id"),
+            "idempotency_key": key,
+        }
+        state.charges[key] = charge
+        hang = state.faults["timeout_after_charge"] > 0
+        if hang:
+            state.faults["timeout_after_charge"] -= 1
+    if hang:
+        await asyncio.sleep(30)  # the charge exists; the caller never hears about it
+    return JSONResponse(charge, status_code=402 if declined else 201)
+
+
+async def get_charge(request: Request) -> JSONResponse:
+    charge = state.charges.get(request.path_params["key"])
+    if charge is None:
+        return JSONResponse({"error": "no charge for that key"}, status_code=404)
+    return JSONResponse(charge)
+
+
+async def stats(request: Request) -> JSONResponse:
+    return JSONResponse({"charges": len(state.charges), "requests": state.requests})
+
+
+async def faults(request: Request) -> JSONResponse:
+    body = await request.json()
+    for name in state.faults:
+        if name in body:
+            state.faults[name] = int(body[name])
+    return JSONResponse(state.faults)
+
+
+app = Starlette(
+    routes=[
+        Route("/charges", create_charge, methods=["POST"]),
+        Route("/charges/{key:path}", get_charge, methods=["GET"]),
+        Route("/_stats", stats, methods=["GET"]),
+        Route("/_faults", faults, methods=["POST"]),
+    ]
+)
