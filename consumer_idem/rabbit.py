@@ -99,10 +99,16 @@ class RabbitRunner:
         assert isinstance(channel, AbstractRobustChannel)
         self._channel = channel
         await channel.set_qos(prefetch_count=self.prefetch)
+        # The consumed queue must come from declare_queue: only queues declared on a robust
+        # channel are restored, with their consumers, after a reconnect.
         if self.declare:
-            for name in (self.queue_name, self.dead_letter_queue, self.reconcile_queue):
+            for name in (self.dead_letter_queue, self.reconcile_queue):
                 await channel.declare_queue(name, durable=True, arguments=self.queue_arguments)
-        self._queue = await channel.get_queue(self.queue_name, ensure=not self.declare)
+            self._queue = await channel.declare_queue(
+                self.queue_name, durable=True, arguments=self.queue_arguments
+            )
+        else:
+            self._queue = await channel.declare_queue(self.queue_name, passive=True)
         self._tag = await self._queue.consume(self._on_message, no_ack=False)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:

@@ -21,6 +21,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from consumer_idem.settings import Settings, load_settings
 
+ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def service_missing(name: str, target: str, exc: BaseException) -> None:
     ci = " (CI=true)" if os.environ.get("CI") == "true" else ""
@@ -114,7 +116,7 @@ async def kafka_producer(
     await producer.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture  # per test: a broker-restart test drops every connection
 async def amqp_connection(settings: Settings) -> AsyncIterator[aio_pika.abc.AbstractConnection]:
     try:
         conn = await aio_pika.connect(settings.amqp_url, timeout=5)

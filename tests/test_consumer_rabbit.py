@@ -38,12 +38,16 @@ def run_id() -> str:
 
 
 @pytest.fixture
-async def queues(amqp_connection: aio_pika.abc.AbstractConnection, queue_name: str) -> Any:
+async def queues(settings: Settings, queue_name: str) -> Any:
     yield queue_name
-    channel = await amqp_connection.channel()
-    for name in (queue_name, f"{queue_name}.dlq", f"{queue_name}.reconcile"):
-        await channel.queue_delete(name)
-    await channel.close()
+    # a connection of its own: the test's connection may have died with a broker restart
+    connection = await aio_pika.connect(settings.amqp_url)
+    try:
+        channel = await connection.channel()
+        for name in (queue_name, f"{queue_name}.dlq", f"{queue_name}.reconcile"):
+            await channel.queue_delete(name)
+    finally:
+        await connection.close()
 
 
 def ledger_consumer(store: PostgresStore, scope: str) -> IdempotentConsumer:
@@ -205,3 +209,46 @@ async def test_ambiguous_failure_publishes_a_confirmed_reconcile_notice_before_a
     source = await channel.get_queue(queues)
     assert source.declaration_result.message_count == 0  # acked
     await channel.close()
+
+
+async def test_runner_reconnects_after_a_broker_restart_and_loses_nothing(
+    store: PostgresStore,
+    pg_pool: asyncpg.Pool,
+    demo_tables: None,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+    queues: str,
+    run_id: str,
+    scope: str,
+) -> None:
+    from tests._broker import rabbitmqctl
+
+    async def slow(message: ConsumerMessage, conn: asyncpg.Connection) -> None:
+        await record_payment(message, conn)
+        await asyncio.sleep(0.05)
+
+    consumer = idempotent_consumer(store, scope=scope, key=header("idempotency-key"))(slow)
+    first = plan(600, 0.0, 11, run_id)  # 8 in parallel x 50 ms: several seconds of work
+    await send_rabbit(first, queues)
+    runner = RabbitRunner(consumer, queue=queues, prefetch=8)
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    try:
+
+        async def some() -> bool:
+            return await ledger_count(pg_pool, run_id) >= 40
+
+        await wait_until(some, 30, "progress before the restart")
+        await rabbitmqctl("stop_app")  # drops the runner's connection with messages in hand
+        assert await ledger_count(pg_pool, run_id) < 600
+        await rabbitmqctl("start_app")
+
+        async def all_booked() -> bool:
+            return await ledger_count(pg_pool, run_id) >= 600
+
+        await wait_until(all_booked, 120, "the runner to reconnect and finish")
+        await asyncio.sleep(1.0)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+    assert runner.stats.duplicates > 0  # deliveries in hand at the restart came back: replays
+    await assert_exactly_once(pg_pool, run_id, first)
