@@ -252,3 +252,46 @@ async def test_runner_reconnects_after_a_broker_restart_and_loses_nothing(
         await asyncio.wait_for(task, 60)
     assert runner.stats.duplicates > 0  # deliveries in hand at the restart came back: replays
     await assert_exactly_once(pg_pool, run_id, first)
+
+
+async def test_a_message_that_keeps_killing_consumers_is_dead_lettered_unrun(
+    settings: Settings,
+    store: PostgresStore,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+    queues: str,
+    scope: str,
+) -> None:
+    channel = await amqp_connection.channel(publisher_confirms=True)
+    await channel.declare_queue(queues, durable=True, arguments={"x-queue-type": "quorum"})
+    await channel.default_exchange.publish(
+        aio_pika.Message(b'{"n": 1}', headers={"idempotency-key": "killer"}), routing_key=queues
+    )
+    for _ in range(2):  # two consumers die holding it: the quorum queue counts both
+        doomed = await aio_pika.connect(settings.amqp_url)
+        q = await (await doomed.channel()).get_queue(queues)
+        assert await q.get(timeout=5) is not None
+        await doomed.close()
+    calls = 0
+
+    @idempotent_consumer(store, scope=scope, key=header("idempotency-key"))
+    async def handler(message: ConsumerMessage, conn: asyncpg.Connection) -> None:
+        nonlocal calls
+        calls += 1
+
+    runner = RabbitRunner(handler, queue=queues, max_deliveries=2)
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    try:
+
+        async def settled() -> bool:
+            return runner.stats.processed >= 1
+
+        await wait_until(settled, 30, "the delivery to be settled")
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+    assert calls == 0 and runner.stats.dead_lettered == 1
+    dead = await drain(await channel.get_queue(f"{queues}.dlq"))
+    # the publisher set no x-delivery-count: the count that stopped it came from the broker
+    assert dead[0].headers["x-dead-letter-reason"] == "max_deliveries"
+    await channel.close()
