@@ -9,13 +9,12 @@ never imports a broker client.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import asyncpg
 
@@ -38,6 +37,7 @@ from consumer_idem.key_strategies import (
     header,
 )
 from consumer_idem.message import ConsumerMessage, InvalidPayload
+from consumer_idem.notice import encode_notice
 from consumer_idem.store import PostgresStore, encode_result
 from consumer_idem.types import DecisionKind, Outcome, OutcomeKind, ResultKind
 
@@ -99,20 +99,27 @@ class Verdict:
         return None if self.outcome is None else self.outcome.result
 
 
-def reconcile_notice(verdict: Verdict) -> bytes:
-    """The body of a reconciliation notification. The ``unknown`` row stays the source of truth;
-    the notice only says where to look."""
+def reconcile_notice(
+    verdict: Verdict, original: ConsumerMessage | None = None, source: str | None = None
+) -> bytes:
+    """The reconciliation notice for a verdict that parked its key (see ``notice.py``)."""
     outcome = verdict.outcome
     record = outcome.record if outcome else None
-    return json.dumps(
-        {
-            "scope": verdict.scope,
-            "key": verdict.key,
-            "reason": (record.last_error if record else None) or verdict.reason,
-            "attempts": outcome.attempts if outcome else None,
-        },
-        separators=(",", ":"),
-    ).encode()
+    assert verdict.key is not None
+    reason = (record.last_error if record else None) or verdict.reason
+    return encode_notice(verdict.scope, verdict.key, reason, source=source, original=original)
+
+
+class Processor(Protocol):
+    """What a transport runner drives: an :class:`IdempotentConsumer`, or the reconciler."""
+
+    store: PostgresStore
+    scope: str
+    batch: bool
+
+    async def process(self, message: ConsumerMessage) -> Verdict: ...
+
+    async def process_batch(self, messages: Sequence[ConsumerMessage]) -> list[Verdict]: ...
 
 
 class IdempotentConsumer:

@@ -32,13 +32,14 @@ from consumer_idem.consumer import (
     DEAD_LETTER_REASON,
     DEAD_LETTER_SCOPE,
     Action,
-    IdempotentConsumer,
+    Processor,
     RunnerStats,
     Verdict,
     reconcile_notice,
 )
 from consumer_idem.key_strategies import ORIGINAL_OFFSET, ORIGINAL_PARTITION, ORIGINAL_TOPIC
 from consumer_idem.message import ConsumerMessage
+from consumer_idem.notice import KEY_HEADER, SCOPE_HEADER, Notice
 from consumer_idem.settings import load_settings
 
 log = logging.getLogger("consumer_idem.kafka")
@@ -102,7 +103,7 @@ class KafkaRunner:
 
     def __init__(
         self,
-        consumer: IdempotentConsumer,
+        consumer: Processor,
         *,
         topics: Sequence[str],
         group_id: str,
@@ -274,19 +275,8 @@ class KafkaRunner:
                 )
         elif verdict.reconcile:
             assert verdict.key is not None
-            ok = await self._publish(
-                self.reconcile_topic,
-                reconcile_notice(verdict),
-                f"{verdict.scope}/{verdict.key}".encode(),
-                [
-                    ("x-consumer-idem-scope", verdict.scope.encode()),
-                    ("x-consumer-idem-key", verdict.key.encode()),
-                ],
-            )
-            if ok:
-                self.stats.reconcile_published += 1
-                with contextlib.suppress(Exception):  # the sweeper republishes if this is lost
-                    await self.consumer.store.mark_reconcile_published(verdict.scope, verdict.key)
+            body = reconcile_notice(verdict, to_message(record), source=record.topic)
+            ok = await self.publish_notice(verdict.scope, verdict.key, body)
         else:
             ok = True
             if verdict.duplicate:
@@ -296,6 +286,29 @@ class KafkaRunner:
         if ok:
             self.stats.processed += 1
         return ok
+
+    async def publish_notice(self, scope: str, key: str, body: bytes) -> bool:
+        """Publish a reconciliation notice (``acks=all``) and record that it was published.
+        Also used by the sweeper for notices that were never sent."""
+        ok = await self._publish(
+            self.reconcile_topic,
+            body,
+            f"{scope}/{key}".encode(),
+            [(SCOPE_HEADER, scope.encode()), (KEY_HEADER, key.encode())],
+        )
+        if ok:
+            self.stats.reconcile_published += 1
+            with contextlib.suppress(Exception):  # the sweeper republishes if this is lost
+                await self.consumer.store.mark_reconcile_published(scope, key)
+        return ok
+
+    async def redispatch(self, notice: Notice) -> bool:
+        """Send the original message of a notice back to its topic, to run once."""
+        if notice.source is None or notice.body is None:
+            return False
+        return await self._publish(
+            notice.source, notice.body, notice.key.encode(), list(notice.headers.items())
+        )
 
     async def _publish(
         self, topic: str, value: bytes | None, key: bytes | None, headers: list[tuple[str, bytes]]

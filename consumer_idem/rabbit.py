@@ -30,12 +30,13 @@ from consumer_idem.consumer import (
     DEAD_LETTER_REASON,
     DEAD_LETTER_SCOPE,
     Action,
-    IdempotentConsumer,
+    Processor,
     RunnerStats,
     Verdict,
     reconcile_notice,
 )
 from consumer_idem.message import ConsumerMessage, header_bytes
+from consumer_idem.notice import KEY_HEADER, SCOPE_HEADER, Notice
 from consumer_idem.settings import load_settings
 
 log = logging.getLogger("consumer_idem.rabbit")
@@ -63,7 +64,7 @@ class RabbitRunner:
 
     def __init__(
         self,
-        consumer: IdempotentConsumer,
+        consumer: Processor,
         *,
         queue: str,
         url: str | None = None,
@@ -162,7 +163,7 @@ class RabbitRunner:
                     return  # stopping before it could be published: left unacked, redelivered
                 self.stats.dead_lettered += 1
             elif verdict.reconcile:
-                if not await self._notify_reconcile(verdict):
+                if not await self._notify_reconcile(verdict, message):
                     return
             elif verdict.duplicate:
                 self.stats.duplicates += 1
@@ -209,17 +210,36 @@ class RabbitRunner:
             log.warning("dead-lettered to %s: %s", self.dead_letter_queue, verdict.reason)
         return ok
 
-    async def _notify_reconcile(self, verdict: Verdict) -> bool:
+    async def _notify_reconcile(self, verdict: Verdict, message: AbstractIncomingMessage) -> bool:
         assert verdict.key is not None
+        body = reconcile_notice(verdict, to_message(message), source=self.queue_name)
+        return await self.publish_notice(verdict.scope, verdict.key, body)
+
+    async def publish_notice(self, scope: str, key: str, body: bytes) -> bool:
+        """Publish a reconciliation notice (confirmed) and record that it was published.
+        Also used by the sweeper for notices that were never sent."""
         notice = aio_pika.Message(
-            reconcile_notice(verdict),
+            body,
             content_type="application/json",
-            headers={"x-consumer-idem-scope": verdict.scope, "x-consumer-idem-key": verdict.key},
+            headers={SCOPE_HEADER: scope, KEY_HEADER: key},
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         )
         if not await self._publish(self.reconcile_queue, notice):
             return False
         self.stats.reconcile_published += 1
         with contextlib.suppress(Exception):  # the sweeper republishes if this is lost
-            await self.consumer.store.mark_reconcile_published(verdict.scope, verdict.key)
+            await self.consumer.store.mark_reconcile_published(scope, key)
         return True
+
+    async def redispatch(self, notice: Notice) -> bool:
+        """Send the original message of a notice back to its queue, to run once."""
+        if notice.source is None or notice.body is None:
+            return False
+        headers: dict[str, Any] = {k: bytearray(v) for k, v in notice.headers.items()}
+        for name, value in notice.headers.items():
+            with contextlib.suppress(UnicodeDecodeError):  # text headers go back as text
+                headers[name] = value.decode("utf-8")
+        message = aio_pika.Message(
+            notice.body, headers=headers, delivery_mode=aio_pika.DeliveryMode.PERSISTENT
+        )
+        return await self._publish(notice.source, message)

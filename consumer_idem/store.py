@@ -32,7 +32,18 @@ log = logging.getLogger("consumer_idem.store")
 T = TypeVar("T")
 
 DEFAULT_LEASE = timedelta(seconds=30)
+#: consumer scopes: longer than any broker retry or DLQ replay horizon
 DEFAULT_RETENTION = timedelta(days=7)
+#: HTTP scopes (``http:...``): clients retry a POST for minutes or hours, not days
+HTTP_RETENTION = timedelta(hours=24)
+HTTP_SCOPE_PREFIX = "http:"
+
+
+def default_retention(scope: str) -> timedelta:
+    """7 days for consumer scopes, 24 hours for HTTP scopes (``http:`` prefix). Webhook scopes
+    should outlive the provider's retry horizon: pass your own policy for them."""
+    return HTTP_RETENTION if scope.startswith(HTTP_SCOPE_PREFIX) else DEFAULT_RETENTION
+
 
 _DECISION_COUNTER = {
     DecisionKind.EXECUTE: "created",
@@ -41,6 +52,13 @@ _DECISION_COUNTER = {
     DecisionKind.MISUSE: "key_misuse",
     DecisionKind.UNKNOWN: "unknown",
 }
+
+
+@dataclass
+class PruneReport:
+    rows: int = 0  #: deleted or soft-expired
+    batches: int = 0
+    longest_statement_s: float = 0.0  #: the longest single batch statement (its lock time)
 
 
 class PrunePolicy(StrEnum):
@@ -109,7 +127,7 @@ class PostgresStore:
         *,
         schema: str = "consumer_idem",
         lease: timedelta | float = DEFAULT_LEASE,
-        retention: timedelta | float = DEFAULT_RETENTION,
+        retention: timedelta | float | Callable[[str], timedelta] | None = None,
         metrics: Metrics | None = None,
         hash_invalid_keys: bool = False,
         command_timeout: float = 30.0,
@@ -117,16 +135,27 @@ class PostgresStore:
         self.pool = pool
         self.schema = migrate.validate_schema(schema)
         self.lease = _seconds(lease)
-        self.retention = _seconds(retention)
+        if retention is None:
+            self._retention: Callable[[str], timedelta] = default_retention
+        elif callable(retention):
+            self._retention = retention
+        else:
+            fixed = _seconds(retention)
+            self._retention = lambda scope: fixed
         self.metrics = metrics or Metrics()
         self.hash_invalid_keys = hash_invalid_keys
         self.command_timeout = command_timeout
+        self.last_prune = PruneReport()
         self.table = f'"{self.schema}".idempotency_records'
         self._claim_stmt = f"consumer_idem_claim_{self.schema}"
         self._result_stmt = f"consumer_idem_result_{self.schema}"
         self._reserve_sql = (
             f'SELECT decision, zombie, rec FROM "{self.schema}".reserve($1, $2, $3, $4, $5, $6)'
         )
+
+    def retention_for(self, scope: str, override: timedelta | float | None = None) -> timedelta:
+        """How long a record of ``scope`` is kept after it was last written."""
+        return self._retention(scope) if override is None else _seconds(override)
 
     # --- plumbing ------------------------------------------------------------------------------
 
@@ -206,7 +235,7 @@ class PostgresStore:
         scope, key = self.check(scope, key)
         token = uuid.uuid4()
         lease_td = self.lease if lease is None else _seconds(lease)
-        retention_td = self.retention if retention is None else _seconds(retention)
+        retention_td = self.retention_for(scope, retention)
 
         async def call(c: Any) -> Any:
             return await c.fetchrow(
@@ -277,7 +306,7 @@ class PostgresStore:
         transaction rolls back it never existed. Returns False when a row already exists; the
         transaction stays open and the caller falls back to :meth:`reserve` on ``conn``.
         """
-        retention_s = (self.retention if retention is None else _seconds(retention)).total_seconds()
+        retention_s = self.retention_for(scope, retention).total_seconds()
         sql = (
             f"BEGIN; EXECUTE {self._claim_stmt}({dollar_quote(scope)}, {dollar_quote(key)},"
             f" {dollar_quote(fingerprint)}, {retention_s!r})"
@@ -325,7 +354,7 @@ class PostgresStore:
         """Batch mode: claim many new keys with one statement, inside the caller's transaction.
         Rows are written as ``completed`` (invisible until COMMIT, gone on rollback). Returns the
         keys claimed; the others already have a row and go through :meth:`reserve`."""
-        retention_td = self.retention if retention is None else _seconds(retention)
+        retention_td = self.retention_for(scope, retention)
         sql = (
             f"INSERT INTO {self.table} (scope, key, fingerprint, status, result_kind,"
             " completed_at, expires_at)"
@@ -422,7 +451,7 @@ class PostgresStore:
     ) -> Record:
         """Store the result and mark the record ``completed``. Pass ``conn`` to commit it with
         your own writes. Raises :class:`LeaseLost` when this owner no longer holds the record."""
-        retention_td = self.retention if retention is None else _seconds(retention)
+        retention_td = self.retention_for(scope, retention)
         return await self._owner_update(
             "complete",
             scope,
@@ -504,7 +533,7 @@ class PostgresStore:
         """After a rolled-back transactional attempt, remember it as ``failed_retryable`` (with its
         attempt count) or ``unknown``. Leaves an existing record in any other state alone and
         returns ``None`` then (someone else got there first)."""
-        retention_td = self.retention if retention is None else _seconds(retention)
+        retention_td = self.retention_for(scope, retention)
         sql = (
             f"INSERT INTO {self.table} AS t (scope, key, fingerprint, status, last_error,"
             " reconcile_after, expires_at)"
@@ -549,7 +578,7 @@ class PostgresStore:
     ) -> Record | None:
         """Store a completed result for a key that has no live record (a deterministic domain
         error whose transaction was rolled back). Returns ``None`` if another record won."""
-        retention_td = self.retention if retention is None else _seconds(retention)
+        retention_td = self.retention_for(scope, retention)
         sql = (
             f"INSERT INTO {self.table} AS t (scope, key, fingerprint, status, result, result_kind,"
             " completed_at, expires_at)"
@@ -591,7 +620,7 @@ class PostgresStore:
         """Settle an ``unknown`` record (the reconciliation path only): ``Executed`` ->
         ``completed`` with its result, ``NotExecuted`` -> ``failed_retryable``.
         Raises :class:`NotUnknown` if the record is not ``unknown``."""
-        retention_td = self.retention if retention is None else _seconds(retention)
+        retention_td = self.retention_for(scope, retention)
         if isinstance(resolution, Executed):
             response = resolution.response
             sql = (
@@ -626,6 +655,104 @@ class PostgresStore:
         self.metrics.inc("reconcile_resolved", scope)
         log.info("resolved unknown -> %s", row["status"], extra={"scope": scope, "key": key})
         return Record.from_row(row)
+
+    async def _unknown_update(
+        self, operation: str, scope: str, key: str, assignments: str, *args: Any
+    ) -> Record:
+        sql = (
+            f"UPDATE {self.table} SET {assignments}, reconcile_attempts = reconcile_attempts + 1,"
+            " updated_at = now() WHERE scope = $1 AND key = $2 AND status = 'unknown' RETURNING *"
+        )
+        row = await self._run(
+            operation,
+            scope,
+            None,
+            lambda c: c.fetchrow(sql, scope, key, *args, timeout=self.command_timeout),
+        )
+        if row is None:
+            raise NotUnknown(f"({scope!r}, {key!r}) is not unknown")
+        return Record.from_row(row)
+
+    async def reschedule(
+        self, scope: str, key: str, after: timedelta | float, reason: str
+    ) -> Record:
+        """Still unknown: ask again after ``after`` (the sweeper re-sends the notice then)."""
+        record = await self._unknown_update(
+            "reschedule",
+            scope,
+            key,
+            "reconcile_after = now() + $3::interval, last_error = $4",
+            _seconds(after),
+            reason,
+        )
+        self.metrics.inc("reconcile_scheduled", scope)
+        return record
+
+    async def hand_to_operator(self, scope: str, key: str, reason: str) -> Record:
+        """Reconciliation gave up: the record stays ``unknown``, no longer scheduled, for a
+        person to settle (``resolve`` still works)."""
+        record = await self._unknown_update(
+            "hand_to_operator",
+            scope,
+            key,
+            "reconcile_after = NULL, last_error = $3",
+            f"operator: {reason}"[:500],
+        )
+        self.metrics.inc("reconcile_failed", scope)
+        log.error(
+            "reconciliation exhausted, handed to an operator: %s",
+            reason,
+            extra={"scope": scope, "key": key},
+        )
+        return record
+
+    async def due_notices(self, limit: int = 100) -> list[Record]:
+        """``unknown`` records whose notification is due: never published (a crash between
+        parking and publishing), or rescheduled and due again. The outbox of reconciliation."""
+        sql = (
+            f"SELECT * FROM {self.table} WHERE status = 'unknown' AND reconcile_after <= now()"
+            " AND (reconcile_published_at IS NULL OR reconcile_published_at < reconcile_after)"
+            " ORDER BY reconcile_after LIMIT $1"
+        )
+        rows = await self._run(
+            "due_notices", "", None, lambda c: c.fetch(sql, limit, timeout=self.command_timeout)
+        )
+        return [Record.from_row(r) for r in rows]
+
+    async def stats(self, scope: str | None = None) -> dict[str, Any]:
+        """Rows per status per scope, the oldest in-progress and unknown records (seconds) and
+        the reconciliation backlog."""
+        where = "" if scope is None else "WHERE scope = $1"
+        args: tuple[Any, ...] = () if scope is None else (scope,)
+        sql = (
+            "SELECT scope, status, count(*) AS n,"
+            " extract(epoch FROM now() - min(updated_at)) AS oldest_s,"
+            " count(*) FILTER (WHERE status = 'unknown' AND reconcile_after <= now()) AS due,"
+            " count(*) FILTER (WHERE status = 'unknown' AND reconcile_after IS NULL) AS operator"
+            f" FROM {self.table} {where} GROUP BY scope, status ORDER BY scope, status"
+        )
+        rows = await self._run(
+            "stats",
+            scope or "",
+            None,
+            lambda c: c.fetch(sql, *args, timeout=self.command_timeout),
+        )
+        scopes: dict[str, dict[str, int]] = {}
+        oldest: dict[str, float] = {}
+        backlog = operator = 0
+        for r in rows:
+            scopes.setdefault(r["scope"], {})[r["status"]] = r["n"]
+            if r["status"] in ("in_progress", "unknown"):
+                oldest[r["status"]] = max(oldest.get(r["status"], 0.0), float(r["oldest_s"]))
+            backlog += r["due"]
+            operator += r["operator"]
+        return {
+            "scopes": scopes,
+            "oldest_in_progress_s": oldest.get("in_progress"),
+            "oldest_unknown_s": oldest.get("unknown"),
+            "reconcile_backlog": backlog,
+            "with_operator": operator,
+        }
 
     # --- operators -----------------------------------------------------------------------------
 
@@ -722,16 +849,20 @@ class PostgresStore:
                 " SELECT scope FROM gone UNION ALL SELECT scope FROM soft"
             )
             args = (batch_size, _seconds(audit_retention))
-        total = 0
-        batches = 0
-        while max_batches is None or batches < max_batches:
+        report = PruneReport()
+        while max_batches is None or report.batches < max_batches:
+            started = time.perf_counter()
             rows = await self._run(
                 "prune", "", None, lambda c: c.fetch(sql, *args, timeout=self.command_timeout)
             )
+            report.longest_statement_s = max(
+                report.longest_statement_s, time.perf_counter() - started
+            )
             for scope, n in Counter(r["scope"] for r in rows).items():
                 self.metrics.inc("pruned", scope, n)
-            total += len(rows)
-            batches += 1
+            report.rows += len(rows)
+            report.batches += 1
             if len(rows) < batch_size:
                 break
-        return total
+        self.last_prune = report
+        return report.rows

@@ -61,3 +61,25 @@ async def _crash_child(dsn: str, scope: str, key: str) -> None:
 
 if __name__ == "__main__":
     asyncio.run(_crash_child(*sys.argv[1:4]))
+
+
+async def _park_and_die(dsn: str, scope: str, key: str) -> None:
+    """Parks a key as unknown (an Ambiguous failure) and dies before publishing any notice."""
+    import os
+    import signal
+
+    from consumer_idem import Ambiguous
+
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2)
+    assert pool is not None
+    store = PostgresStore(pool)
+
+    async def times_out(attempt: Attempt) -> Any:
+        raise Ambiguous("gateway timed out")
+
+    await run_two_phase(store, scope, key, FP, times_out)
+    os.kill(os.getpid(), signal.SIGKILL)  # between parking and publishing
+
+
+def park_and_die(dsn: str, scope: str, key: str) -> None:
+    asyncio.run(_park_and_die(dsn, scope, key))
