@@ -21,7 +21,7 @@ import asyncpg
 
 from consumer_idem import ConsumerMessage, PostgresStore, header, idempotent_consumer
 from consumer_idem.settings import load_settings
-from handlers.payments import ensure_tables, record_payment, record_payments
+from handlers.payments import LEDGER_SCOPE, ensure_tables, record_payment, record_payments
 
 TOPIC = "payments.requests"
 
@@ -52,7 +52,7 @@ async def main(argv: list[str] | None = None) -> int:
             await asyncio.sleep(args.slow_ms / 1000)
 
     consumer = idempotent_consumer(
-        store, scope="payments.ledger", key=header("idempotency-key"), batch=args.batch
+        store, scope=LEDGER_SCOPE, key=header("idempotency-key"), batch=args.batch
     )(record_payments if args.batch else one)
 
     stop = asyncio.Event()

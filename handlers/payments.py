@@ -14,7 +14,14 @@ from typing import Any
 
 import asyncpg
 
-from consumer_idem import ConsumerMessage, PoisonMessage
+from consumer_idem import (
+    ConsumerMessage,
+    IdempotentConsumer,
+    PoisonMessage,
+    PostgresStore,
+    header,
+    idempotent_consumer,
+)
 
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS demo_ledger (
@@ -124,3 +131,15 @@ async def record_payments(messages: Sequence[ConsumerMessage], conn: asyncpg.Con
         [p.customer_id for p in payments],
         [p.amount_cents for p in payments],
     )
+
+
+LEDGER_SCOPE = "payments.ledger"
+
+
+def ledger_consumer(store: PostgresStore, *, batch: bool = False) -> IdempotentConsumer:
+    """The demo's idempotent consumer; also the target of
+    ``consumer-idem replay --handler handlers.payments:ledger_consumer``."""
+    handler = record_payments if batch else record_payment
+    return idempotent_consumer(
+        store, scope=LEDGER_SCOPE, key=header("idempotency-key"), batch=batch
+    )(handler)

@@ -1,0 +1,228 @@
+"""Dead-letter replay: run dead-lettered messages through the same idempotent handler.
+
+Completed keys are skipped (replayed, not run), ``unknown`` keys are not executed (reported:
+reconciliation owns them), the rest execute exactly once. ``dry_run`` only counts what would
+happen. Kafka replays read with their own consumer group, up to the end offsets seen at start,
+and commit as they go, so an interrupted replay resumes where it stopped; RabbitMQ replays take
+the messages present at start and ack as they go (a message that fails again is put back).
+A dead-letter copy keeps its identity: our runners keep the original headers (the idempotency
+key) and add the original coordinates, which ``kafka_coordinates()`` uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from consumer_idem.consumer import Action, IdempotentConsumer, Verdict
+from consumer_idem.message import ConsumerMessage
+from consumer_idem.store import PostgresStore
+from consumer_idem.types import Status
+
+#: classification of one message, as the dry run predicts it and the replay reports it
+CATEGORIES = ("execute", "skip", "unknown", "in_progress", "misuse", "invalid", "failed")
+
+
+@dataclass
+class ReplayReport:
+    read: int = 0
+    execute: int = 0  #: ran now (dry run: would run)
+    skip: int = 0  #: already completed: not run again
+    unknown: int = 0  #: parked for reconciliation: not run
+    in_progress: int = 0  #: someone holds a live lease on it
+    misuse: int = 0  #: same key, another payload
+    invalid: int = 0  #: no valid key, or a body the consumer cannot read
+    failed: int = 0  #: ran and failed again (left in the dead-letter destination)
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def add(self, category: str) -> None:
+        self.read += 1
+        setattr(self, category, getattr(self, category) + 1)
+
+
+def load_consumer(spec: str, store: PostgresStore) -> IdempotentConsumer:
+    """``module:attribute`` naming an :class:`IdempotentConsumer`, or a function taking the
+    store and returning one (so the replay uses the operator's store settings)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"handler must be given as module:function, not {spec!r}")
+    target = getattr(importlib.import_module(module_name), attr)
+    consumer = target if isinstance(target, IdempotentConsumer) else target(store)
+    if not isinstance(consumer, IdempotentConsumer):
+        raise TypeError(f"{spec} did not give an IdempotentConsumer (got {type(consumer)})")
+    return consumer
+
+
+async def classify(consumer: IdempotentConsumer, message: ConsumerMessage) -> str:
+    """What replaying ``message`` would do, read from the store without changing it."""
+    prepared = consumer.prepare(message)
+    if isinstance(prepared, Verdict):
+        return "invalid"
+    key, fingerprint = prepared
+    record = await consumer.store.get(consumer.scope, key)
+    if record is None or record.status is Status.EXPIRED:
+        return "execute"
+    if record.fingerprint != fingerprint:
+        return "misuse"
+    return {
+        Status.COMPLETED: "skip",
+        Status.UNKNOWN: "unknown",
+        Status.IN_PROGRESS: "in_progress",
+        Status.FAILED_RETRYABLE: "execute",
+    }[record.status]
+
+
+def category_of(verdict: Verdict) -> str:
+    if verdict.action is Action.RETRY:
+        return "in_progress" if verdict.reason == "in_progress" else "failed"
+    if verdict.action is Action.DEAD_LETTER:
+        if verdict.reason == "key_misuse":
+            return "misuse"
+        if verdict.reason and verdict.reason.startswith(("invalid_key", "invalid_json")):
+            return "invalid"
+        return "failed"
+    if verdict.reason == "unknown":  # its notice, if new, is published by the sweeper
+        return "unknown"
+    return "skip" if verdict.duplicate else "execute"
+
+
+Ack = Callable[[bool], Awaitable[None]]  # ack(settled): True = done with it, False = keep it
+
+
+async def replay(
+    consumer: IdempotentConsumer,
+    source: AsyncIterator[tuple[ConsumerMessage, Ack]],
+    *,
+    dry_run: bool = False,
+    rate: float | None = None,
+    on_progress: Callable[[ReplayReport], None] | None = None,
+) -> ReplayReport:
+    """Replay every message ``source`` yields; see the module docstring."""
+    report = ReplayReport()
+    started = time.monotonic()
+    async for message, ack in source:
+        if rate:
+            wait = started + report.read / rate - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+        if dry_run:
+            report.add(await classify(consumer, message))
+            await ack(False)
+        else:
+            category = category_of(await consumer.process(message))
+            report.add(category)
+            await ack(category not in ("failed", "in_progress"))
+        if on_progress is not None:
+            on_progress(report)
+    return report
+
+
+# --- sources ------------------------------------------------------------------------------------
+
+
+async def kafka_source(
+    topic: str, *, group_id: str, bootstrap_servers: str, commit: bool = True
+) -> AsyncIterator[tuple[ConsumerMessage, Ack]]:
+    """Records of ``topic`` from the group's committed offsets up to the end offsets seen at
+    start; each settled record's offset is committed (resumable), unless ``commit`` is False."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from consumer_idem.kafka import to_message
+
+    kafka = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap_servers,
+        group_id=group_id,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
+    await kafka.start()
+    try:
+        partitions = await _partitions(topic, bootstrap_servers)
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        kafka.assign(tps)
+        ends = await kafka.end_offsets(tps)
+        for tp in tps:
+            done = await kafka.committed(tp)
+            if done is None:
+                await kafka.seek_to_beginning(tp)
+            else:
+                kafka.seek(tp, done)
+        remaining = {tp for tp in tps if await kafka.position(tp) < ends[tp]}
+        settled: dict[Any, int] = {}
+        while remaining:
+            batch = await kafka.getmany(*remaining, timeout_ms=1000)
+            for tp, records in batch.items():
+                for record in records:
+                    if record.offset >= ends[tp]:
+                        break
+
+                    async def ack(
+                        settled_ok: bool, tp: Any = tp, offset: int = record.offset
+                    ) -> None:
+                        # a replayed failure stays in the topic (reported); the replay moves on
+                        settled[tp] = offset + 1
+
+                    yield to_message(record), ack
+            if commit and settled:  # once per fetched batch: resuming re-reads at most that
+                await kafka.commit(dict(settled))
+            remaining = {tp for tp in remaining if await kafka.position(tp) < ends[tp]}
+    finally:
+        await kafka.stop()
+
+
+async def rabbit_source(
+    queue: str, *, url: str, requeue_all: bool = False
+) -> AsyncIterator[tuple[ConsumerMessage, Ack]]:
+    """The messages in ``queue`` at start. Settled ones are acked; the rest (and, with
+    ``requeue_all`` for a dry run, all of them) go back to the queue at the end."""
+    import aio_pika
+
+    from consumer_idem.rabbit import to_message
+
+    connection = await aio_pika.connect(url)
+    held: list[Any] = []
+    try:
+        channel = await connection.channel()
+        q = await channel.declare_queue(queue, passive=True)
+        count = q.declaration_result.message_count or 0
+        for _ in range(count):
+            incoming = await q.get(no_ack=False, fail=False)
+            if incoming is None:
+                break
+
+            async def ack(settled: bool, incoming: Any = incoming) -> None:
+                if settled and not requeue_all:
+                    await incoming.ack()
+                else:
+                    held.append(incoming)  # back to the queue once the pass is over
+
+            yield to_message(incoming), ack
+        for incoming in held:
+            await incoming.nack(requeue=True)
+    finally:
+        await connection.close()
+
+
+def report_row(report: ReplayReport) -> dict[str, Any]:
+    return {k: v for k, v in report.as_dict().items() if v or k in ("read", "execute", "skip")}
+
+
+async def _partitions(topic: str, bootstrap_servers: str) -> list[int]:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
+    await admin.start()
+    try:
+        described = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    found = [d for d in described if d.get("topic") == topic and not d.get("error_code")]
+    if not found:
+        raise LookupError(f"topic {topic!r} does not exist")
+    return sorted(p["partition"] for p in found[0]["partitions"])
