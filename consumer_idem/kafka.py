@@ -160,6 +160,13 @@ class KafkaRunner:
             raise
         self._started = True
 
+    async def open_publisher(self) -> None:
+        """Only the publishing side (notices, re-dispatch), e.g. for a one-shot sweep."""
+        await self._producer.start()
+
+    async def close_publisher(self) -> None:
+        await self._producer.stop()
+
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Consume until ``stop`` is set (or forever), then shut down gracefully."""
         stop = stop or asyncio.Event()

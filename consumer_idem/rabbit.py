@@ -95,6 +95,17 @@ class RabbitRunner:
         self._stopping = asyncio.Event()
 
     async def start(self) -> None:
+        await self.open_publisher()
+        assert self._queue is not None
+        self._tag = await self._queue.consume(self._on_message, no_ack=False)
+
+    async def close_publisher(self) -> None:
+        if self._connection is not None:
+            await self._connection.close()
+            self._connection = None
+
+    async def open_publisher(self) -> None:
+        """Connect and declare, without consuming (notices, re-dispatch, a one-shot sweep)."""
         self._connection = await aio_pika.connect_robust(self.url)
         channel = await self._connection.channel(publisher_confirms=True)
         assert isinstance(channel, AbstractRobustChannel)
@@ -110,7 +121,6 @@ class RabbitRunner:
             )
         else:
             self._queue = await channel.declare_queue(self.queue_name, passive=True)
-        self._tag = await self._queue.consume(self._on_message, no_ack=False)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Consume until ``stop`` is set (or forever), then shut down gracefully: stop taking

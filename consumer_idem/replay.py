@@ -46,13 +46,21 @@ class ReplayReport:
         setattr(self, category, getattr(self, category) + 1)
 
 
+def load_target(spec: str) -> Any:
+    """The object named by ``module:attribute`` (a clear error if it cannot be found)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"expected module:function, not {spec!r}")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load {spec!r}: {exc}") from exc
+
+
 def load_consumer(spec: str, store: PostgresStore) -> IdempotentConsumer:
     """``module:attribute`` naming an :class:`IdempotentConsumer`, or a function taking the
     store and returning one (so the replay uses the operator's store settings)."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"handler must be given as module:function, not {spec!r}")
-    target = getattr(importlib.import_module(module_name), attr)
+    target = load_target(spec)
     consumer = target if isinstance(target, IdempotentConsumer) else target(store)
     if not isinstance(consumer, IdempotentConsumer):
         raise TypeError(f"{spec} did not give an IdempotentConsumer (got {type(consumer)})")
