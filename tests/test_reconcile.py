@@ -266,3 +266,57 @@ async def test_a_crash_between_parking_and_publishing_is_caught_by_the_sweeper(
     record = await store.get(scope, key)
     assert record is not None and record.reconcile_published_at is not None
     assert all(r.key != key for r in await store.due_notices(1000))
+
+
+async def test_rabbit_not_executed_redispatches_to_the_source_queue(
+    settings: Settings,
+    store: PostgresStore,
+    pg_pool: asyncpg.Pool,
+    flaky: Any,
+    running: Running,
+    scope: str,
+) -> None:
+    import aio_pika
+
+    from consumer_idem.rabbit import RabbitRunner
+
+    queue = f"rq-{uuid.uuid4().hex[:8]}"
+    reconcile = f"{queue}.reconcile"
+    running.start(RabbitRunner(flaky, queue=queue, reconcile_queue=reconcile))
+
+    async def no_charge(record: Record) -> Any:
+        return NotExecuted("gateway: no charge for that key")
+
+    reconciler = Reconciler(store, no_charge)
+    rec_runner = RabbitRunner(
+        reconciler,
+        queue=reconcile,
+        reconcile_queue=reconcile,
+        dead_letter_queue=f"{reconcile}.operator",
+    )
+    reconciler.attach(rec_runner)
+    running.start(rec_runner)
+    connection = await aio_pika.connect(settings.amqp_url)
+    try:
+        channel = await connection.channel(publisher_confirms=True)
+        await channel.declare_queue(queue, durable=True, arguments={"x-queue-type": "quorum"})
+        await channel.default_exchange.publish(
+            aio_pika.Message(b'{"amount": 3}', headers={"idempotency-key": "pay-r"}),
+            routing_key=queue,
+        )
+
+        async def ran() -> bool:
+            return await effects(pg_pool, scope) >= 1
+
+        await wait_until(ran, 30, "the re-dispatched message to run")
+        await asyncio.sleep(1.0)
+        assert await effects(pg_pool, scope) == 1
+        record = await store.get(scope, "pay-r")
+        assert record is not None and record.status is Status.COMPLETED and record.attempts == 2
+    finally:
+        await running.stop_all()
+        running.tasks.clear()
+        channel = await connection.channel()
+        for name in (queue, f"{queue}.dlq", reconcile, f"{reconcile}.operator", f"{reconcile}.dlq"):
+            await channel.queue_delete(name)
+        await connection.close()
