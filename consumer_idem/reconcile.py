@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Protocol
@@ -69,8 +69,12 @@ class Reconciler:
         max_age: timedelta = timedelta(days=2),
         backoff: tuple[float, float] = (30.0, 3600.0),
         redispatch: bool = True,
+        scopes: Collection[str] | None = None,
     ) -> None:
         self.store = store
+        #: the scopes this reconciler settles (None: all). Notices of other scopes on a shared
+        #: topic are acked and left to the reconciler (its own consumer group) that knows them.
+        self.scopes = None if scopes is None else frozenset(scopes)
         self.resolver = resolver
         self.max_attempts = max_attempts
         self.max_age = max_age
@@ -112,6 +116,8 @@ class Reconciler:
 
     async def _settle(self, notice: Notice) -> Verdict:
         scope, key = notice.scope, notice.key
+        if self.scopes is not None and scope not in self.scopes:
+            return Verdict(Action.ACK, scope, key, reason="other_scope", duplicate=True)
         record = await self.store.get(scope, key)
         if record is None or record.status is not Status.UNKNOWN:
             # the row is the truth: settled already (or pruned); the notice is stale
@@ -162,15 +168,23 @@ class SweepReport:
 class Sweeper:
     """Expired leases -> ``unknown``; due, unpublished notices -> published."""
 
-    def __init__(self, store: PostgresStore, transport: Transport, *, batch: int = 100) -> None:
+    def __init__(
+        self,
+        store: PostgresStore,
+        transport: Transport,
+        *,
+        batch: int = 100,
+        scopes: Collection[str] | None = None,
+    ) -> None:
         self.store = store
         self.transport = transport
         self.batch = batch
+        self.scopes = None if scopes is None else sorted(scopes)
 
     async def run_once(self) -> SweepReport:
         report = SweepReport(zombies=await self.store.sweep())
         while True:
-            due = await self.store.due_notices(self.batch)
+            due = await self.store.due_notices(self.batch, self.scopes)
             for record in due:
                 body = encode_notice(record.scope, record.key, record.last_error)
                 if await self.transport.publish_notice(record.scope, record.key, body):

@@ -12,7 +12,7 @@ import secrets
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -706,16 +706,23 @@ class PostgresStore:
         )
         return record
 
-    async def due_notices(self, limit: int = 100) -> list[Record]:
+    async def due_notices(
+        self, limit: int = 100, scopes: Sequence[str] | None = None
+    ) -> list[Record]:
         """``unknown`` records whose notification is due: never published (a crash between
         parking and publishing), or rescheduled and due again. The outbox of reconciliation."""
         sql = (
             f"SELECT * FROM {self.table} WHERE status = 'unknown' AND reconcile_after <= now()"
             " AND (reconcile_published_at IS NULL OR reconcile_published_at < reconcile_after)"
+            " AND ($2::text[] IS NULL OR scope = ANY($2::text[]))"
             " ORDER BY reconcile_after LIMIT $1"
         )
+        wanted = None if scopes is None else list(scopes)
         rows = await self._run(
-            "due_notices", "", None, lambda c: c.fetch(sql, limit, timeout=self.command_timeout)
+            "due_notices",
+            "",
+            None,
+            lambda c: c.fetch(sql, limit, wanted, timeout=self.command_timeout),
         )
         return [Record.from_row(r) for r in rows]
 

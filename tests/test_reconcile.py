@@ -206,10 +206,18 @@ async def test_still_unknown_backs_off_then_goes_to_the_operator(
         return StillUnknown("gateway lookup timed out")
 
     _, runner = reconciler_on(
-        store, cannot_tell, reconcile, running, max_attempts=3, backoff=(0.3, 0.6)
+        store,
+        cannot_tell,
+        reconcile,
+        running,
+        max_attempts=3,
+        backoff=(0.3, 0.6),
+        scopes=[scope],
     )
     sweeping = asyncio.Event()
-    sweeper = asyncio.create_task(Sweeper(store, runner).run(sweeping, interval=0.2))
+    sweeper = asyncio.create_task(
+        Sweeper(store, runner, scopes=[scope]).run(sweeping, interval=0.2)
+    )
     try:
 
         async def with_operator() -> bool:
@@ -259,8 +267,8 @@ async def test_a_crash_between_parking_and_publishing_is_caught_by_the_sweeper(
         return bool(runner._started)
 
     await wait_until(started, 30, "the reconciler's runner to start")
-    report = await Sweeper(store, runner).run_once()
-    assert report.published >= 1
+    report = await Sweeper(store, runner, scopes=[scope]).run_once()
+    assert report.published == 1
     notices = await read_topic(settings.kafka_bootstrap, reconcile, report.published)
     assert key.encode() in [dict(n.headers)["x-consumer-idem-key"] for n in notices]
     record = await store.get(scope, key)

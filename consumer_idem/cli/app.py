@@ -271,6 +271,10 @@ def build_app() -> Any:
         source: Annotated[
             str, typer.Option(help="reconciliation topic/queue")
         ] = "consumer_idem.reconcile",
+        scope: Annotated[
+            list[str] | None,
+            typer.Option("--scope", help="only these scopes (repeatable; default: all)"),
+        ] = None,
         dsn: DsnOpt = None,
         schema: SchemaOpt = None,
         as_json: JsonOpt = False,
@@ -281,7 +285,7 @@ def build_app() -> Any:
         async def op(store: PostgresStore) -> dict[str, int]:
             if transport is None:
                 zombies = await store.sweep()
-                due = len(await store.due_notices(10_000))
+                due = len(await store.due_notices(10_000, scope))
                 return {"zombies": zombies, "published": 0, "due_unpublished": due}
 
             async def never(record: Any) -> StillUnknown:
@@ -297,7 +301,7 @@ def build_app() -> Any:
             )
             await runner.open_publisher()
             try:
-                report: SweepReport = await Sweeper(store, runner).run_once()
+                report: SweepReport = await Sweeper(store, runner, scopes=scope).run_once()
             finally:
                 await runner.close_publisher()
             return {"zombies": report.zombies, "published": report.published}
@@ -357,6 +361,10 @@ def build_app() -> Any:
         group: Annotated[
             str, typer.Option(help="Kafka consumer group")
         ] = "consumer-idem-reconciler",
+        scope: Annotated[
+            list[str] | None,
+            typer.Option("--scope", help="only these scopes (repeatable; default: all)"),
+        ] = None,
         max_attempts: Annotated[int, typer.Option()] = 8,
         max_age_hours: Annotated[float, typer.Option()] = 48.0,
         sweep_interval: Annotated[float, typer.Option(help="seconds between sweeps")] = 5.0,
@@ -371,7 +379,11 @@ def build_app() -> Any:
             async with open_store(dsn, schema) as store:
                 answer = load_target(resolver)
                 reconciler = Reconciler(
-                    store, answer, max_attempts=max_attempts, max_age=timedelta(hours=max_age_hours)
+                    store,
+                    answer,
+                    max_attempts=max_attempts,
+                    max_age=timedelta(hours=max_age_hours),
+                    scopes=scope,
                 )
                 runner = transport_runner(
                     transport,
@@ -388,7 +400,10 @@ def build_app() -> Any:
                     loop.add_signal_handler(sig, stop.set)
                 await runner.start()
                 console.print(f"reconciling {source} via {transport.value}; Ctrl-C to stop")
-                sweeper = asyncio.create_task(Sweeper(store, runner).run(stop, sweep_interval))
+                sweeper = asyncio.create_task(
+                    Sweeper(store, runner, scopes=scope).run(stop, sweep_interval)
+                )
+
                 await runner.run(stop)
                 await sweeper
                 console.print(json.dumps(runner.stats.__dict__))
