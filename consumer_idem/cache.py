@@ -1,0 +1,147 @@
+"""A Redis cache of completed records in front of the Postgres store.
+
+A duplicate of completed work is answered from Redis without a Postgres round trip. Postgres
+stays the authority: only ``completed`` records are ever cached, only after their Postgres
+commit (or when Postgres itself answers a replay); a miss, an error or a Redis outage falls
+through to Postgres (and a short circuit breaker stops asking Redis for a few seconds, so an
+outage costs no latency); ``evict`` and ``prune`` remove entries. A completed record never
+changes in Postgres except by deletion or expiry, which is why serving it from a cache is safe.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from consumer_idem.metrics import Metrics
+from consumer_idem.types import Record, ResultKind, Status, StoredResponse
+
+log = logging.getLogger("consumer_idem.cache")
+
+
+class CompletedCache:
+    """``redis``: a ``redis.asyncio`` client, ideally with a short ``socket_timeout``."""
+
+    def __init__(
+        self,
+        redis: Any,
+        *,
+        prefix: str = "consumer-idem:completed:",
+        ttl: timedelta | float = timedelta(hours=1),
+        breaker_seconds: float = 5.0,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self.ttl = ttl if isinstance(ttl, timedelta) else timedelta(seconds=ttl)
+        self.breaker_seconds = breaker_seconds
+        self.metrics = metrics or Metrics()
+        self._open_until = 0.0
+
+    def _key(self, scope: str, key: str) -> str:
+        return f"{self.prefix}{scope}\x1f{key}"  # \x1f cannot occur in a scope or key
+
+    def _available(self) -> bool:
+        return time.monotonic() >= self._open_until
+
+    def _failed(self, operation: str, exc: Exception) -> None:
+        self.metrics.inc("cache_error", "")
+        self._open_until = time.monotonic() + self.breaker_seconds
+        log.warning(
+            "cache %s failed, using Postgres only for %.0fs: %r",
+            operation,
+            self.breaker_seconds,
+            exc,
+        )
+
+    async def get(self, scope: str, key: str) -> Record | None:
+        if not self._available():
+            return None
+        try:
+            raw = await self.redis.get(self._key(scope, key))
+        except Exception as exc:
+            self._failed("get", exc)
+            return None
+        if raw is None:
+            self.metrics.inc("cache_miss", scope)
+            return None
+        self.metrics.inc("cache_hit", scope)
+        return _decode(scope, key, raw)
+
+    async def put(self, record: Record) -> None:
+        """Cache a completed record (anything else is ignored: only completed is safe)."""
+        if record.status is not Status.COMPLETED or not self._available():
+            return
+        ttl = min(self.ttl, record.expires_at - datetime.now(UTC))
+        if ttl.total_seconds() < 1:
+            return
+        try:
+            await self.redis.set(
+                self._key(record.scope, record.key),
+                _encode(record),
+                px=int(ttl / timedelta(milliseconds=1)),
+            )
+        except Exception as exc:
+            self._failed("put", exc)
+
+    async def delete(self, pairs: Iterable[tuple[str, str]]) -> None:
+        keys = [self._key(scope, key) for scope, key in pairs]
+        if not keys:
+            return
+        try:
+            await self.redis.delete(*keys)
+        except Exception as exc:  # a stale entry outlives this only until its TTL
+            self._failed("delete", exc)
+
+
+def _encode(record: Record) -> str:
+    response = record.response
+    return json.dumps(
+        {
+            "fp": record.fingerprint,
+            "res": record.result_json,
+            "rk": record.result_kind.value if record.result_kind else None,
+            "att": record.attempts,
+            "hs": response.status if response else None,
+            "hh": dict(response.headers) if response else None,
+            "hb": response.body.hex() if response else None,
+            "ca": record.created_at.isoformat(),
+            "co": record.completed_at.isoformat() if record.completed_at else None,
+            "ex": record.expires_at.isoformat(),
+        },
+        separators=(",", ":"),
+    )
+
+
+def _decode(scope: str, key: str, raw: bytes | str) -> Record:
+    d = json.loads(raw)
+    created = datetime.fromisoformat(d["ca"])
+    response = (
+        StoredResponse(d["hs"], d["hh"] or {}, bytes.fromhex(d["hb"] or ""))
+        if d["hs"] is not None
+        else None
+    )
+    return Record(
+        scope=scope,
+        key=key,
+        fingerprint=d["fp"],
+        status=Status.COMPLETED,
+        owner_token=None,
+        locked_until=None,
+        attempts=d["att"],
+        result_json=d["res"],
+        result_kind=ResultKind(d["rk"]) if d["rk"] else None,
+        response=response,
+        last_error=None,
+        reconcile_after=None,
+        reconcile_attempts=0,
+        reconcile_published_at=None,
+        created_at=created,
+        updated_at=datetime.fromisoformat(d["co"]) if d["co"] else created,
+        completed_at=datetime.fromisoformat(d["co"]) if d["co"] else None,
+        expires_at=datetime.fromisoformat(d["ex"]),
+    )

@@ -1,0 +1,448 @@
+"""A Redis store with the same state machine and decisions as :class:`PostgresStore`.
+
+For scopes whose effects do not live in Postgres and that accept Redis durability. Every
+transition is one Lua script (atomic on the server), lease times come from the Redis server's
+clock, and every owner write is conditional on the owner token, exactly as in Postgres.
+
+What it does **not** guarantee (see the README): no transaction with the handler's database
+writes (so no transactional mode and no ``local_writes``), and records are lost if Redis
+restarts without persistence (AOF ``appendfsync always`` narrows that window; a replica does
+not close it). Completed and failed records expire by TTL (retention); ``in_progress`` and
+``unknown`` records never expire on their own: an unknown case must not silently disappear.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
+
+from consumer_idem.errors import LeaseLost, NotUnknown, StoreUnavailable
+from consumer_idem.keys import normalize_key, validate_scope
+from consumer_idem.metrics import Metrics
+from consumer_idem.store import (
+    DEFAULT_LEASE,
+    Executed,
+    Resolution,
+    _seconds,
+    default_retention,
+    encode_result,
+)
+from consumer_idem.types import (
+    Decision,
+    DecisionKind,
+    Record,
+    ResultKind,
+    Status,
+    StoredResponse,
+)
+
+log = logging.getLogger("consumer_idem.redis_store")
+T = TypeVar("T")
+
+# Shared Lua prologue: server time in ms, and the record as a table.
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function load(k)
+  local flat = redis.call('HGETALL', k)
+  local h = {}
+  for i = 1, #flat, 2 do h[flat[i]] = flat[i + 1] end
+  return h, #flat
+end
+"""
+
+_RESERVE = (
+    _NOW
+    + """
+local fp, tok, lease, retention = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local function claim(attempts)
+  redis.call('DEL', KEYS[1])
+  redis.call('HSET', KEYS[1], 'fp', fp, 'st', 'in_progress', 'tok', tok, 'lu', now + lease,
+             'att', attempts, 'ca', now, 'ua', now, 'rat', 0, 'ret', retention)
+  return {'execute', 0, now, unpack(redis.call('HGETALL', KEYS[1]))}
+end
+local h, n = load(KEYS[1])
+if n == 0 or h.st == 'expired' then return claim(1) end
+if h.fp ~= fp then return {'misuse', 0, now, unpack(redis.call('HGETALL', KEYS[1]))} end
+if h.st == 'completed' then return {'replay', 0, now, unpack(redis.call('HGETALL', KEYS[1]))} end
+if h.st == 'unknown' then return {'unknown', 0, now, unpack(redis.call('HGETALL', KEYS[1]))} end
+if h.st == 'failed_retryable' then
+  redis.call('HSET', KEYS[1], 'st', 'in_progress', 'tok', tok, 'lu', now + lease,
+             'att', tonumber(h.att) + 1, 'ua', now)
+  redis.call('PERSIST', KEYS[1])
+  return {'execute', 0, now, unpack(redis.call('HGETALL', KEYS[1]))}
+end
+if tonumber(h.lu) < now then
+  -- the owner vanished mid-flight: it may have acted, so never re-run; park it
+  redis.call('HSET', KEYS[1], 'st', 'unknown', 'err', 'lease_expired', 'ra', now, 'ua', now)
+  redis.call('HDEL', KEYS[1], 'tok', 'lu', 'rp')
+  return {'unknown', 1, now, unpack(redis.call('HGETALL', KEYS[1]))}
+end
+return {'in_progress', 0, now, unpack(redis.call('HGETALL', KEYS[1]))}
+"""
+)
+
+# ARGV: token, new status, then field/value pairs. Completed and failed records get their TTL;
+# unknown ones never expire by themselves.
+_OWNER = (
+    _NOW
+    + """
+local h, n = load(KEYS[1])
+if n == 0 or h.st ~= 'in_progress' or h.tok ~= ARGV[1] then return false end
+local status = ARGV[2]
+redis.call('HSET', KEYS[1], 'st', status, 'ua', now)
+for i = 3, #ARGV, 2 do
+  if ARGV[i + 1] == '' then redis.call('HDEL', KEYS[1], ARGV[i])
+  else redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+end
+redis.call('HDEL', KEYS[1], 'tok', 'lu')
+if status == 'completed' then redis.call('HSET', KEYS[1], 'co', now) end
+if status == 'unknown' then
+  redis.call('HSET', KEYS[1], 'ra', now); redis.call('HDEL', KEYS[1], 'rp')
+  redis.call('PERSIST', KEYS[1])
+else
+  redis.call('PEXPIRE', KEYS[1], tonumber(redis.call('HGET', KEYS[1], 'ret')))
+end
+return {now, unpack(redis.call('HGETALL', KEYS[1]))}
+"""
+)
+
+# ARGV: new status ('completed' | 'failed_retryable'), ttl ms, then field/value pairs.
+_RESOLVE = (
+    _NOW
+    + """
+local h, n = load(KEYS[1])
+if n == 0 or h.st ~= 'unknown' then return false end
+redis.call('HSET', KEYS[1], 'st', ARGV[1], 'ua', now)
+for i = 3, #ARGV, 2 do
+  if ARGV[i + 1] == '' then redis.call('HDEL', KEYS[1], ARGV[i])
+  else redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+end
+redis.call('HDEL', KEYS[1], 'ra')
+if ARGV[1] == 'completed' then redis.call('HSET', KEYS[1], 'co', now, 'ret', ARGV[2]) end
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
+return {now, unpack(redis.call('HGETALL', KEYS[1]))}
+"""
+)
+
+_EVICT = """
+if ARGV[1] ~= '' and redis.call('HGET', KEYS[1], 'tok') ~= ARGV[1] then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
+
+_SWEEP = (
+    _NOW
+    + """
+local h, n = load(KEYS[1])
+if n == 0 or h.st ~= 'in_progress' or tonumber(h.lu) >= now then return 0 end
+redis.call('HSET', KEYS[1], 'st', 'unknown', 'err', 'lease_expired', 'ra', now, 'ua', now)
+redis.call('HDEL', KEYS[1], 'tok', 'lu', 'rp')
+return 1
+"""
+)
+
+
+def _ms(value: str | None) -> datetime | None:
+    if value is None or value == "":
+        return None
+    return datetime.fromtimestamp(int(value) / 1000, UTC)
+
+
+def _record(scope: str, key: str, flat: list[Any]) -> Record:
+    h = {_s(flat[i]): _s(flat[i + 1]) for i in range(0, len(flat), 2)}
+    response = None
+    if h.get("hs"):
+        response = StoredResponse(
+            int(h["hs"]), json.loads(h.get("hh") or "{}"), bytes.fromhex(h.get("hb") or "")
+        )
+    created = _ms(h.get("ca")) or datetime.now(UTC)
+    ret = int(h.get("ret") or 0)
+    return Record(
+        scope=scope,
+        key=key,
+        fingerprint=h["fp"],
+        status=Status(h["st"]),
+        owner_token=uuid.UUID(h["tok"]) if h.get("tok") else None,
+        locked_until=_ms(h.get("lu")),
+        attempts=int(h.get("att") or 1),
+        result_json=h.get("res"),
+        result_kind=ResultKind(h["rk"]) if h.get("rk") else None,
+        response=response,
+        last_error=h.get("err"),
+        reconcile_after=_ms(h.get("ra")),
+        reconcile_attempts=int(h.get("rat") or 0),
+        reconcile_published_at=_ms(h.get("rp")),
+        created_at=created,
+        updated_at=_ms(h.get("ua")) or created,
+        completed_at=_ms(h.get("co")),
+        expires_at=(_ms(h.get("ua")) or created) + timedelta(milliseconds=ret),
+    )
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _response_fields(response: StoredResponse | None) -> list[str]:
+    if response is None:
+        return ["hs", "", "hh", "", "hb", ""]
+    return [
+        "hs",
+        str(response.status),
+        "hh",
+        json.dumps(dict(response.headers)),
+        "hb",
+        response.body.hex(),
+    ]
+
+
+class RedisStore:
+    """Idempotency records in Redis (``redis.asyncio`` client), one hash per (scope, key)."""
+
+    def __init__(
+        self,
+        redis: Any,
+        *,
+        prefix: str = "consumer-idem:",
+        lease: timedelta | float = DEFAULT_LEASE,
+        retention: timedelta | float | Callable[[str], timedelta] | None = None,
+        metrics: Metrics | None = None,
+        hash_invalid_keys: bool = False,
+    ) -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self.lease = _seconds(lease)
+        if retention is None:
+            self._retention: Callable[[str], timedelta] = default_retention
+        elif callable(retention):
+            self._retention = retention
+        else:
+            fixed = _seconds(retention)
+            self._retention = lambda scope: fixed
+        self.metrics = metrics or Metrics()
+        self.hash_invalid_keys = hash_invalid_keys
+        self._reserve = redis.register_script(_RESERVE)
+        self._owner = redis.register_script(_OWNER)
+        self._resolve = redis.register_script(_RESOLVE)
+        self._evict = redis.register_script(_EVICT)
+        self._sweep = redis.register_script(_SWEEP)
+
+    def retention_for(self, scope: str, override: timedelta | float | None = None) -> timedelta:
+        return self._retention(scope) if override is None else _seconds(override)
+
+    def check(self, scope: str, key: str | bytes) -> tuple[str, str]:
+        return validate_scope(scope), normalize_key(key, hash_invalid=self.hash_invalid_keys)
+
+    def _key(self, scope: str, key: str) -> str:
+        # \x1f cannot occur in a scope or key (key hygiene rejects control characters)
+        return f"{self.prefix}{scope}\x1f{key}"
+
+    async def _run(self, operation: str, scope: str, call: Callable[[], Awaitable[T]]) -> T:
+        started = time.perf_counter()
+        try:
+            return await call()
+        except Exception as exc:  # any Redis failure means: do not proceed
+            self.metrics.inc("store_error", scope)
+            raise StoreUnavailable(
+                f"redis store {operation} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            self.metrics.observe(operation, time.perf_counter() - started)
+
+    async def migrate(self) -> list[int]:
+        """Nothing to migrate: records are hashes. Present for symmetry with PostgresStore."""
+        return []
+
+    async def reserve(
+        self,
+        scope: str,
+        key: str | bytes,
+        fingerprint: str,
+        *,
+        lease: timedelta | float | None = None,
+        retention: timedelta | float | None = None,
+        conn: Any = None,
+    ) -> Decision:
+        if conn is not None:
+            raise TypeError("the Redis store cannot join a database transaction")
+        scope, key = self.check(scope, key)
+        lease_ms = int((self.lease if lease is None else _seconds(lease)).total_seconds() * 1000)
+        ret_ms = int(self.retention_for(scope, retention).total_seconds() * 1000)
+        token = str(uuid.uuid4())
+        out = await self._run(
+            "reserve",
+            scope,
+            lambda: self._reserve(
+                keys=[self._key(scope, key)], args=[fingerprint, token, lease_ms, ret_ms]
+            ),
+        )
+        kind = DecisionKind(_s(out[0]))
+        decision = Decision(kind, _record(scope, key, out[3:]), bool(int(out[1])))
+        self.metrics.inc(
+            {
+                "execute": "created",
+                "replay": "replay",
+                "in_progress": "in_progress",
+                "misuse": "key_misuse",
+                "unknown": "unknown",
+            }[kind.value],
+            scope,
+        )
+        if decision.zombie:
+            self.metrics.inc("zombie", scope)
+        return decision
+
+    async def _owner_write(
+        self,
+        operation: str,
+        scope: str,
+        key: str,
+        token: uuid.UUID,
+        status: str,
+        fields: list[str],
+    ) -> Record:
+        out = await self._run(
+            operation,
+            scope,
+            lambda: self._owner(keys=[self._key(scope, key)], args=[str(token), status, *fields]),
+        )
+        if not out:
+            self.metrics.inc("lease_lost", scope)
+            raise LeaseLost(f"{operation}: ({scope!r}, {key!r}) is no longer held by this owner")
+        return _record(scope, key, out[1:])
+
+    async def complete(
+        self,
+        scope: str,
+        key: str,
+        token: uuid.UUID,
+        result: Any = None,
+        *,
+        result_kind: ResultKind = ResultKind.SUCCESS,
+        response: StoredResponse | None = None,
+        retention: timedelta | float | None = None,
+        conn: Any = None,
+    ) -> Record:
+        if conn is not None:
+            raise TypeError("the Redis store cannot join a database transaction")
+        ret_ms = int(self.retention_for(scope, retention).total_seconds() * 1000)
+        fields = [
+            "res",
+            encode_result(result) or "",
+            "rk",
+            result_kind.value,
+            "err",
+            "",
+            "ret",
+            str(ret_ms),
+            *_response_fields(response),
+        ]
+        return await self._owner_write("complete", scope, key, token, "completed", fields)
+
+    async def fail_retryable(
+        self,
+        scope: str,
+        key: str,
+        token: uuid.UUID,
+        error: str = "retryable",
+        *,
+        conn: Any = None,
+    ) -> Record:
+        record = await self._owner_write(
+            "fail_retryable", scope, key, token, "failed_retryable", ["err", error]
+        )
+        self.metrics.inc("failed_retry", scope)
+        return record
+
+    async def mark_unknown(
+        self,
+        scope: str,
+        key: str,
+        token: uuid.UUID,
+        error: str = "ambiguous",
+        *,
+        conn: Any = None,
+    ) -> Record:
+        record = await self._owner_write(
+            "mark_unknown", scope, key, token, "unknown", ["err", error]
+        )
+        self.metrics.inc("unknown", scope)
+        return record
+
+    async def resolve(
+        self,
+        scope: str,
+        key: str,
+        resolution: Resolution,
+        *,
+        retention: timedelta | float | None = None,
+        conn: Any = None,
+    ) -> Record:
+        ret_ms = int(self.retention_for(scope, retention).total_seconds() * 1000)
+        if isinstance(resolution, Executed):
+            status = "completed"
+            fields = [
+                "res",
+                encode_result(resolution.result) or "",
+                "rk",
+                resolution.result_kind.value,
+                *_response_fields(resolution.response),
+            ]
+        else:
+            status, fields = "failed_retryable", ["err", resolution.reason]
+        out = await self._run(
+            "resolve",
+            scope,
+            lambda: self._resolve(keys=[self._key(scope, key)], args=[status, ret_ms, *fields]),
+        )
+        if not out:
+            raise NotUnknown(f"({scope!r}, {key!r}) is not unknown; nothing to resolve")
+        self.metrics.inc("reconcile_resolved", scope)
+        return _record(scope, key, out[1:])
+
+    async def get(self, scope: str, key: str) -> Record | None:
+        flat = await self._run("get", scope, lambda: self.redis.hgetall(self._key(scope, key)))
+        if not flat:
+            return None
+        pairs = [x for kv in flat.items() for x in kv]
+        return _record(scope, key, pairs)
+
+    async def evict(self, scope: str, key: str, *, token: uuid.UUID | None = None) -> bool:
+        deleted = await self._run(
+            "evict",
+            scope,
+            lambda: self._evict(
+                keys=[self._key(scope, key)], args=["" if token is None else str(token)]
+            ),
+        )
+        if token is not None and not deleted:
+            self.metrics.inc("lease_lost", scope)
+            raise LeaseLost(f"evict: ({scope!r}, {key!r}) is no longer held by this owner")
+        return bool(deleted)
+
+    async def sweep(self, *, batch_size: int = 500) -> int:
+        """Park expired leases as ``unknown``. Scans the store's keys (O(records)): run it
+        from one place, not per request."""
+        parked: Counter[str] = Counter()
+
+        async def scan() -> None:
+            async for raw in self.redis.scan_iter(match=f"{self.prefix}*", count=batch_size):
+                name = _s(raw)
+                if await self._sweep(keys=[name], args=[]):
+                    parked[name[len(self.prefix) :].split("\x1f", 1)[0]] += 1
+
+        await self._run("sweep", "", scan)
+        for scope, n in parked.items():
+            self.metrics.inc("zombie", scope, n)
+            self.metrics.inc("unknown", scope, n)
+        return sum(parked.values())
+
+    async def prune(self, **_: Any) -> int:
+        """Nothing to do: completed and failed records expire by TTL in Redis itself."""
+        return 0
