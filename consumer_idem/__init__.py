@@ -3,6 +3,7 @@
 The public API is re-exported here; submodules are one concept each.
 """
 
+from consumer_idem.cache import CompletedCache
 from consumer_idem.consumer import (
     Action,
     IdempotentConsumer,
@@ -40,6 +41,7 @@ from consumer_idem.key_strategies import (
 from consumer_idem.keys import normalize_key, validate_scope
 from consumer_idem.message import ConsumerMessage, InvalidPayload
 from consumer_idem.metrics import Metrics
+from consumer_idem.redis_store import RedisStore
 from consumer_idem.settings import Settings, load_settings
 from consumer_idem.store import Executed, NotExecuted, PostgresStore, PrunePolicy, Resolution
 from consumer_idem.types import (
@@ -57,6 +59,7 @@ __all__ = [
     "Action",
     "Ambiguous",
     "Attempt",
+    "CompletedCache",
     "ConsumerIdemError",
     "ConsumerMessage",
     "Decision",
@@ -76,6 +79,7 @@ __all__ = [
     "PostgresStore",
     "PrunePolicy",
     "Record",
+    "RedisStore",
     "Resolution",
     "ResultKind",
     "Retryable",

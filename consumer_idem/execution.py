@@ -16,7 +16,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 from uuid import UUID
 
 import asyncpg
@@ -55,6 +55,43 @@ class Attempt:
 
 
 TwoPhaseAction = Callable[[Attempt], Awaitable[Any]]
+
+
+class TwoPhaseStore(Protocol):
+    """What two-phase execution needs: PostgresStore or RedisStore."""
+
+    def check(self, scope: str, key: str | bytes) -> tuple[str, str]: ...
+
+    async def reserve(
+        self,
+        scope: str,
+        key: str | bytes,
+        fingerprint: str,
+        *,
+        lease: timedelta | float | None = None,
+        retention: timedelta | float | None = None,
+    ) -> Decision: ...
+
+    async def complete(
+        self,
+        scope: str,
+        key: str,
+        token: UUID,
+        result: Any = None,
+        *,
+        result_kind: ResultKind = ResultKind.SUCCESS,
+        retention: timedelta | float | None = None,
+    ) -> Record: ...
+
+    async def fail_retryable(
+        self, scope: str, key: str, token: UUID, error: str = ...
+    ) -> Record: ...
+
+    async def mark_unknown(self, scope: str, key: str, token: UUID, error: str = ...) -> Record: ...
+
+    async def get(self, scope: str, key: str) -> Record | None: ...
+
+
 LocalWrites = Callable[[asyncpg.Connection, Any], Awaitable[None]]
 
 
@@ -129,6 +166,9 @@ async def run_transactional(
     pooled one.
     """
     scope, key = store.check(scope, key)
+    cached = await store.cached_decision(scope, key, fingerprint)
+    if cached is not None:  # a duplicate of completed work: no Postgres round trip at all
+        return outcome_of(cached)
     async with store.connection(conn) as conn:
         try:
             token: UUID | None = None
@@ -167,6 +207,10 @@ async def run_transactional(
         except BaseException:
             await _rollback(conn)
             raise
+    if store.cache is not None:
+        await store.remember(
+            record or store.completed_record(scope, key, fingerprint, encoded, retention)
+        )
     return Outcome(
         kind=OutcomeKind.EXECUTED,
         scope=scope,
@@ -249,7 +293,7 @@ async def _after_rollback(
 
 
 async def run_two_phase(
-    store: PostgresStore,
+    store: TwoPhaseStore,
     scope: str,
     key: str | bytes,
     fingerprint: str,
@@ -329,7 +373,7 @@ async def run_two_phase(
 
 
 async def _complete_with_local_writes(
-    store: PostgresStore,
+    store: TwoPhaseStore,
     scope: str,
     key: str,
     token: UUID,
@@ -339,13 +383,17 @@ async def _complete_with_local_writes(
 ) -> Record:
     if local_writes is None:
         return await store.complete(scope, key, token, result, retention=retention)
+    if not isinstance(store, PostgresStore):
+        raise TypeError("local_writes need the Postgres store (a transaction with your rows)")
     async with store.connection() as conn:
         try:
             async with conn.transaction():
                 await local_writes(conn, result)
-                return await store.complete(
+                record = await store.complete(
                     scope, key, token, result, retention=retention, conn=conn
                 )
+            await store.remember(record)  # committed now
+            return record
         except (LeaseLost, StoreUnavailable):
             raise
         except Exception as exc:

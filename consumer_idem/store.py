@@ -15,17 +15,25 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any, TypeVar
 
 import asyncpg
 
 from consumer_idem import migrate
+from consumer_idem.cache import CompletedCache
 from consumer_idem.errors import LeaseLost, NotUnknown, StoreUnavailable
 from consumer_idem.keys import normalize_key, validate_scope
 from consumer_idem.metrics import Metrics
-from consumer_idem.types import Decision, DecisionKind, Record, ResultKind, StoredResponse
+from consumer_idem.types import (
+    Decision,
+    DecisionKind,
+    Record,
+    ResultKind,
+    Status,
+    StoredResponse,
+)
 
 log = logging.getLogger("consumer_idem.store")
 
@@ -131,8 +139,11 @@ class PostgresStore:
         metrics: Metrics | None = None,
         hash_invalid_keys: bool = False,
         command_timeout: float = 30.0,
+        cache: CompletedCache | None = None,
     ) -> None:
         self.pool = pool
+        #: optional Redis cache of completed records (Postgres stays the authority)
+        self.cache = cache
         self.schema = migrate.validate_schema(schema)
         self.lease = _seconds(lease)
         if retention is None:
@@ -143,6 +154,8 @@ class PostgresStore:
             fixed = _seconds(retention)
             self._retention = lambda scope: fixed
         self.metrics = metrics or Metrics()
+        if cache is not None:
+            cache.metrics = self.metrics  # one set of counters per store
         self.hash_invalid_keys = hash_invalid_keys
         self.command_timeout = command_timeout
         self.last_prune = PruneReport()
@@ -233,6 +246,9 @@ class PostgresStore:
     ) -> Decision:
         """Decide what this delivery may do (see :class:`DecisionKind`)."""
         scope, key = self.check(scope, key)
+        cached = await self.cached_decision(scope, key, fingerprint)
+        if cached is not None:
+            return cached
         token = uuid.uuid4()
         lease_td = self.lease if lease is None else _seconds(lease)
         retention_td = self.retention_for(scope, retention)
@@ -254,11 +270,64 @@ class PostgresStore:
             DecisionKind(row["decision"]), Record.from_row(row["rec"]), row["zombie"]
         )
         self.metrics.inc(_DECISION_COUNTER[decision.kind], scope)
+        if decision.kind is DecisionKind.REPLAY:
+            await self.remember(decision.record)  # committed and immutable: safe to cache
         if decision.zombie:
             self.metrics.inc("zombie", scope)
             log.warning("lease expired: parked as unknown", extra={"scope": scope, "key": key})
         log.debug("reserve -> %s", decision.kind, extra={"scope": scope, "key": key})
         return decision
+
+    # --- the completed-record cache ------------------------------------------------------------
+
+    async def cached_decision(self, scope: str, key: str, fingerprint: str) -> Decision | None:
+        """A replay (or misuse) answered from the cache, or None: ask Postgres."""
+        if self.cache is None:
+            return None
+        record = await self.cache.get(scope, key)
+        if record is None:
+            return None
+        if record.fingerprint != fingerprint:
+            self.metrics.inc("key_misuse", scope)
+            return Decision(DecisionKind.MISUSE, record)
+        self.metrics.inc("replay", scope)
+        return Decision(DecisionKind.REPLAY, record)
+
+    def completed_record(
+        self,
+        scope: str,
+        key: str,
+        fingerprint: str,
+        encoded: str | None,
+        retention: timedelta | float | None = None,
+    ) -> Record:
+        """The record the transactional fast path committed, without reading it back."""
+        now = datetime.now(UTC)
+        return Record(
+            scope=scope,
+            key=key,
+            fingerprint=fingerprint,
+            status=Status.COMPLETED,
+            owner_token=None,
+            locked_until=None,
+            attempts=1,
+            result_json=encoded,
+            result_kind=ResultKind.SUCCESS,
+            response=None,
+            last_error=None,
+            reconcile_after=None,
+            reconcile_attempts=0,
+            reconcile_published_at=None,
+            created_at=now,
+            updated_at=now,
+            completed_at=now,
+            expires_at=now + self.retention_for(scope, retention),
+        )
+
+    async def remember(self, record: Record | None) -> None:
+        """Cache a record completed and committed (no-op without a cache)."""
+        if self.cache is not None and record is not None:
+            await self.cache.put(record)
 
     # --- transactional fast path ---------------------------------------------------------------
 
@@ -452,7 +521,7 @@ class PostgresStore:
         """Store the result and mark the record ``completed``. Pass ``conn`` to commit it with
         your own writes. Raises :class:`LeaseLost` when this owner no longer holds the record."""
         retention_td = self.retention_for(scope, retention)
-        return await self._owner_update(
+        record = await self._owner_update(
             "complete",
             scope,
             key,
@@ -470,6 +539,9 @@ class PostgresStore:
             ),
             conn,
         )
+        if conn is None:  # committed already; inside a caller's transaction it is not yet
+            await self.remember(record)
+        return record
 
     async def fail_retryable(
         self,
@@ -654,7 +726,10 @@ class PostgresStore:
             raise NotUnknown(f"({scope!r}, {key!r}) is not unknown; nothing to resolve")
         self.metrics.inc("reconcile_resolved", scope)
         log.info("resolved unknown -> %s", row["status"], extra={"scope": scope, "key": key})
-        return Record.from_row(row)
+        record = Record.from_row(row)
+        if conn is None:
+            await self.remember(record)
+        return record
 
     async def _unknown_update(
         self, operation: str, scope: str, key: str, assignments: str, *args: Any
@@ -788,8 +863,12 @@ class PostgresStore:
         async def call(c: Any) -> Any:
             return await c.execute(sql, *args, timeout=self.command_timeout)
 
+        if self.cache is not None:
+            await self.cache.delete([(scope, key)])
         status: str = await self._run("evict", scope, None, call)
         deleted = status.endswith(" 1")
+        if self.cache is not None:  # again: a read racing the delete may have re-cached it
+            await self.cache.delete([(scope, key)])
         if token is not None and not deleted:
             self.metrics.inc("lease_lost", scope)
             raise LeaseLost(f"evict: ({scope!r}, {key!r}) is no longer held by this owner")
@@ -841,7 +920,7 @@ class PostgresStore:
             sql = (
                 f"DELETE FROM {self.table} t USING (SELECT scope, key FROM {self.table}"
                 f" WHERE expires_at < now() AND status IN {live} LIMIT $1 FOR UPDATE SKIP LOCKED) d"
-                " WHERE t.scope = d.scope AND t.key = d.key RETURNING t.scope"
+                " WHERE t.scope = d.scope AND t.key = d.key RETURNING t.scope, t.key"
             )
             args: tuple[Any, ...] = (batch_size,)
         else:
@@ -849,11 +928,11 @@ class PostgresStore:
                 f"WITH d AS (SELECT scope, key, status FROM {self.table}"
                 f" WHERE expires_at < now() AND status IN {live} LIMIT $1 FOR UPDATE SKIP LOCKED),"
                 f" gone AS (DELETE FROM {self.table} t USING d WHERE t.scope = d.scope"
-                " AND t.key = d.key AND d.status = 'expired' RETURNING t.scope),"
+                " AND t.key = d.key AND d.status = 'expired' RETURNING t.scope, t.key),"
                 f" soft AS (UPDATE {self.table} t SET status = 'expired', updated_at = now(),"
                 " expires_at = now() + $2::interval FROM d WHERE t.scope = d.scope"
-                " AND t.key = d.key AND d.status <> 'expired' RETURNING t.scope)"
-                " SELECT scope FROM gone UNION ALL SELECT scope FROM soft"
+                " AND t.key = d.key AND d.status <> 'expired' RETURNING t.scope, t.key)"
+                " SELECT scope, key FROM gone UNION ALL SELECT scope, key FROM soft"
             )
             args = (batch_size, _seconds(audit_retention))
         report = PruneReport()
@@ -867,6 +946,8 @@ class PostgresStore:
             )
             for scope, n in Counter(r["scope"] for r in rows).items():
                 self.metrics.inc("pruned", scope, n)
+            if self.cache is not None:  # expired records are never replayed: drop them
+                await self.cache.delete((r["scope"], r["key"]) for r in rows)
             report.rows += len(rows)
             report.batches += 1
             if len(rows) < batch_size:
