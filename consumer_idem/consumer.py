@@ -9,6 +9,7 @@ never imports a broker client.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,13 @@ class RunnerStats:
     reconcile_published: int = 0
     retries: int = 0
     commits: int = 0
+
+
+async def notice_published(stats: RunnerStats, store: PostgresStore, scope: str, key: str) -> None:
+    """Bookkeeping after a reconciliation notice was published (both transports)."""
+    stats.reconcile_published += 1
+    with contextlib.suppress(Exception):  # the sweeper republishes if this is lost
+        await store.mark_reconcile_published(scope, key)
 
 
 class Action(StrEnum):

@@ -35,6 +35,7 @@ from consumer_idem.consumer import (
     Processor,
     RunnerStats,
     Verdict,
+    notice_published,
     reconcile_notice,
 )
 from consumer_idem.key_strategies import ORIGINAL_OFFSET, ORIGINAL_PARTITION, ORIGINAL_TOPIC
@@ -304,9 +305,7 @@ class KafkaRunner:
             [(SCOPE_HEADER, scope.encode()), (KEY_HEADER, key.encode())],
         )
         if ok:
-            self.stats.reconcile_published += 1
-            with contextlib.suppress(Exception):  # the sweeper republishes if this is lost
-                await self.consumer.store.mark_reconcile_published(scope, key)
+            await notice_published(self.stats, self.consumer.store, scope, key)
         return ok
 
     async def redispatch(self, notice: Notice) -> bool:

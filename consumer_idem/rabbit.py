@@ -33,6 +33,7 @@ from consumer_idem.consumer import (
     Processor,
     RunnerStats,
     Verdict,
+    notice_published,
     reconcile_notice,
 )
 from consumer_idem.message import ConsumerMessage, header_bytes
@@ -236,9 +237,7 @@ class RabbitRunner:
         )
         if not await self._publish(self.reconcile_queue, notice):
             return False
-        self.stats.reconcile_published += 1
-        with contextlib.suppress(Exception):  # the sweeper republishes if this is lost
-            await self.consumer.store.mark_reconcile_published(scope, key)
+        await notice_published(self.stats, self.consumer.store, scope, key)
         return True
 
     async def redispatch(self, notice: Notice) -> bool:
