@@ -28,6 +28,11 @@ class LeaseLost(ConsumerIdemError):
     """
 
 
+class KeyInFlight(ConsumerIdemError):
+    """Another transaction is claiming this key at this very moment (transactional mode with a
+    lock timeout): try again shortly."""
+
+
 class NotUnknown(ConsumerIdemError):
     """``resolve`` was called for a record that is not in the ``unknown`` state."""
 

@@ -23,7 +23,7 @@ import asyncpg
 
 from consumer_idem import migrate
 from consumer_idem.cache import CompletedCache
-from consumer_idem.errors import LeaseLost, NotUnknown, StoreUnavailable
+from consumer_idem.errors import KeyInFlight, LeaseLost, NotUnknown, StoreUnavailable
 from consumer_idem.keys import normalize_key, validate_scope
 from consumer_idem.metrics import Metrics
 from consumer_idem.types import (
@@ -215,7 +215,7 @@ class PostgresStore:
         try:
             async with self.connection(conn) as c:
                 return await call(c)
-        except (LeaseLost, NotUnknown, StoreUnavailable):
+        except (LeaseLost, NotUnknown, StoreUnavailable, KeyInFlight):
             raise
         except Exception as exc:  # any database failure means: do not proceed
             raise self._unavailable(operation, exc, scope) from exc
@@ -367,6 +367,7 @@ class PostgresStore:
         key: str,
         fingerprint: str,
         retention: timedelta | float | None = None,
+        lock_timeout_ms: int | None = None,
     ) -> bool:
         """BEGIN a transaction on ``conn`` and claim (scope, key) in the same round trip.
 
@@ -374,14 +375,21 @@ class PostgresStore:
         transaction commits (a duplicate blocks on the unique index until then), and if the
         transaction rolls back it never existed. Returns False when a row already exists; the
         transaction stays open and the caller falls back to :meth:`reserve` on ``conn``.
+
+        With ``lock_timeout_ms``, a duplicate does not wait longer than that for the first
+        claim's transaction: it raises :class:`KeyInFlight` (the transaction is then aborted;
+        roll it back). HTTP uses this to answer 409 instead of holding a connection.
         """
         retention_s = self.retention_for(scope, retention).total_seconds()
+        timeout = (
+            "" if lock_timeout_ms is None else f"SET LOCAL lock_timeout = {int(lock_timeout_ms)}; "
+        )
         sql = (
-            f"BEGIN; EXECUTE {self._claim_stmt}({dollar_quote(scope)}, {dollar_quote(key)},"
-            f" {dollar_quote(fingerprint)}, {retention_s!r})"
+            f"BEGIN; {timeout}EXECUTE {self._claim_stmt}({dollar_quote(scope)},"
+            f" {dollar_quote(key)}, {dollar_quote(fingerprint)}, {retention_s!r})"
         )
 
-        async def call(c: Any) -> str:
+        async def claim(c: Any) -> str:
             try:
                 status: str = await c.execute(sql)
             except asyncpg.InvalidSQLStatementNameError:
@@ -391,6 +399,12 @@ class PostgresStore:
                 await self._prepare_fast_path(c)
                 status = await c.execute(sql)
             return status
+
+        async def call(c: Any) -> str:
+            try:
+                return await claim(c)
+            except asyncpg.LockNotAvailableError as exc:
+                raise KeyInFlight(f"({scope!r}, {key!r}) is being claimed right now") from exc
 
         status = await self._run("claim", scope, conn, call)
         claimed = status == "INSERT 0 1"
@@ -474,6 +488,30 @@ class PostgresStore:
             lambda c: c.execute(sql, scope, key, timeout=self.command_timeout),
         )
         return status.endswith(" 1")
+
+    async def attach_response(
+        self, conn: asyncpg.Connection, scope: str, key: str, response: StoredResponse
+    ) -> None:
+        """HTTP, transactional fast path: store the response on the row this transaction
+        claimed with :meth:`begin_and_claim` (it commits with the endpoint's writes)."""
+        sql = (
+            f"UPDATE {self.table} SET http_status = $3, http_headers = $4::jsonb, http_body = $5"
+            " WHERE scope = $1 AND key = $2"
+        )
+        await self._run(
+            "attach_response",
+            scope,
+            conn,
+            lambda c: c.execute(
+                sql,
+                scope,
+                key,
+                response.status,
+                json.dumps(dict(response.headers)),
+                response.body,
+                timeout=self.command_timeout,
+            ),
+        )
 
     # --- owner transitions (fenced by the token) ----------------------------------------------
 
