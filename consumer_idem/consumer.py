@@ -208,10 +208,13 @@ class IdempotentConsumer:
             return key, fingerprint_bytes(message.body)
         try:
             value = message.json()
-            return key, fingerprint_json(value, self.fingerprint_fields)
-        except (InvalidPayload, ValueError) as exc:
+        except InvalidPayload as exc:
             log.warning("dead-lettering: %s", exc, extra={"scope": self.scope, "key": key})
             return Verdict(Action.DEAD_LETTER, self.scope, key, reason="invalid_json")
+        try:
+            return key, fingerprint_json(value, self.fingerprint_fields)
+        except ValueError:  # JSON that RFC 8785 cannot canonicalise: its exact bytes, then
+            return key, fingerprint_bytes(message.body)
 
     def verdict(self, outcome: Outcome) -> Verdict:
         """Map an outcome to what the transport must do."""

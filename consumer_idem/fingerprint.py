@@ -53,9 +53,9 @@ def fingerprint_bytes(data: bytes) -> str:
 
 def fingerprint_payload(body: bytes, fields: Iterable[str] | None = None) -> str:
     """JSON bodies are fingerprinted canonically (key order and spacing do not matter);
-    anything that is not JSON falls back to its raw bytes."""
+    anything that is not JSON, or JSON that RFC 8785 cannot canonicalise (an integer beyond
+    +-2**53, say), falls back to its raw bytes."""
     try:
-        value = json.loads(body)
+        return fingerprint_json(json.loads(body), fields)
     except (ValueError, UnicodeDecodeError):
         return fingerprint_bytes(body)
-    return fingerprint_json(value, fields)

@@ -172,7 +172,7 @@ class IdempotencyMiddleware:
     def __init__(
         self,
         app: ASGIApp,
-        store: PostgresStore,
+        store: PostgresStore | Callable[[], PostgresStore],
         *,
         methods: Iterable[str] = ("POST", "PATCH"),
         required: bool = False,
@@ -185,7 +185,7 @@ class IdempotencyMiddleware:
         max_body: int = 1 << 20,
     ) -> None:
         self.app = app
-        self.store = store
+        self._store = store
         self.methods = {m.upper() for m in methods}
         self.required = required
         self.mode = mode
@@ -195,6 +195,11 @@ class IdempotencyMiddleware:
         self.lock_timeout_ms = lock_timeout_ms
         self.fail_open = fail_open
         self.max_body = max_body
+
+    @property
+    def store(self) -> PostgresStore:
+        """The store, or a factory of it (an app that creates its pool at start-up)."""
+        return self._store if isinstance(self._store, PostgresStore) else self._store()
 
     # --- routing -------------------------------------------------------------------------------
 
@@ -606,6 +611,6 @@ def _fingerprint(scope: Scope, template: str, body: bytes) -> str:
     """method + route template + the body (canonical JSON when it is JSON, else raw bytes)."""
     try:
         value = json.loads(body) if body else None
-    except (ValueError, UnicodeDecodeError):
+        return fingerprint_json({"method": scope["method"], "route": template, "body": value})
+    except (ValueError, UnicodeDecodeError):  # not JSON, or JSON RFC 8785 cannot canonicalise
         return fingerprint_bytes(f"{scope['method']} {template}\n".encode() + body)
-    return fingerprint_json({"method": scope["method"], "route": template, "body": value})

@@ -6,6 +6,10 @@ POST /charges  (JSON {"amount_cents", "currency", "customer_id"}, header Idempot
     201 {"charge_id", "status": "succeeded", ...}; the same key again returns the same charge
     (200). An amount ending in 13 cents is declined: 402 {"status": "declined"}.
 GET  /charges/{idempotency_key}   the charge made for that key, or 404 (for reconciliation)
+
+With GATEWAY_WEBHOOK_URL and GATEWAY_WEBHOOK_SECRET set, every charge is also announced as a
+Standard Webhooks event (``charge.succeeded`` / ``charge.declined``) to that URL, retried with
+backoff until it is acknowledged with a 2xx (at most 8 attempts).
 GET  /_stats                      {"charges", "requests"}
 POST /_faults                     inject failures into the next charges:
     {"timeout_after_charge": n}   charge, then hang (the client times out: outcome unknown)
@@ -15,6 +19,9 @@ POST /_faults                     inject failures into the next charges:
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import time
 import uuid
 from typing import Any
 
@@ -26,6 +33,7 @@ from starlette.routing import Route
 
 class Gateway:
     def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[None]] = set()
         self.charges: dict[str, dict[str, Any]] = {}
         self.requests = 0
         self.faults = {"timeout_after_charge": 0, "fail_before_charge": 0}
@@ -61,15 +69,47 @@ async def create_charge(request: Request) -> JSONResponse:
             "amount_cents": amount,
             "currency": currency,
             "customer_id": body.get("customer_id"),
+            "metadata": body.get("metadata") or {},
             "idempotency_key": key,
         }
         state.charges[key] = charge
         hang = state.faults["timeout_after_charge"] > 0
         if hang:
             state.faults["timeout_after_charge"] -= 1
+        if os.environ.get("GATEWAY_WEBHOOK_URL"):
+            state.tasks.add(asyncio.create_task(announce(charge)))
     if hang:
         await asyncio.sleep(30)  # the charge exists; the caller never hears about it
     return JSONResponse(charge, status_code=402 if declined else 201)
+
+
+async def announce(charge: dict[str, Any]) -> None:
+    """Send the charge's webhook event, Standard Webhooks signed, retrying until a 2xx."""
+    import httpx
+
+    from consumer_idem.webhooks import sign_standard
+
+    event_type = "charge.declined" if charge["status"] == "declined" else "charge.succeeded"
+    event = {"id": f"evt_{uuid.uuid4().hex[:16]}", "type": event_type, "data": charge}
+    body = json.dumps(event).encode()
+    delay = 0.3
+    async with httpx.AsyncClient(timeout=5) as client:
+        for _ in range(8):
+            headers = sign_standard(
+                body, os.environ["GATEWAY_WEBHOOK_SECRET"], event["id"], int(time.time())
+            )
+            try:
+                response = await client.post(
+                    os.environ["GATEWAY_WEBHOOK_URL"],
+                    content=body,
+                    headers={**headers, "content-type": "application/json"},
+                )
+                if response.is_success:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 async def get_charge(request: Request) -> JSONResponse:

@@ -45,7 +45,13 @@ class GatewayClient:
         await self.http.aclose()
 
     async def charge(
-        self, *, amount_cents: int, currency: str, customer_id: str, idempotency_key: str
+        self,
+        *,
+        amount_cents: int,
+        currency: str,
+        customer_id: str,
+        idempotency_key: str,
+        metadata: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         try:
             response = await self.http.post(
@@ -54,6 +60,7 @@ class GatewayClient:
                     "amount_cents": amount_cents,
                     "currency": currency,
                     "customer_id": customer_id,
+                    "metadata": metadata or {},
                 },
                 headers={"Idempotency-Key": idempotency_key},
             )

@@ -86,3 +86,8 @@ def test_non_json_payloads_hash_raw_bytes() -> None:
     assert fingerprint_payload(b"\x00\x01binary") == fingerprint_bytes(b"\x00\x01binary")
     assert fingerprint_bytes(b"a").startswith("v1:raw:")
     assert fingerprint_bytes(b"a") != fingerprint_bytes(b"b")
+
+
+def test_json_rfc8785_cannot_canonicalise_falls_back_to_raw_bytes() -> None:
+    body = b'{"customer_id": -602461404814797184}'  # beyond +-2**53: no canonical form
+    assert fingerprint_payload(body) == fingerprint_bytes(body)
