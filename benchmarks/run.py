@@ -13,7 +13,7 @@ from typing import Any
 
 from benchmarks.common import append_results
 
-BENCHMARKS = ["store", "consumers", "redis"]
+BENCHMARKS = ["store", "consumers", "redis", "http"]
 
 
 async def main(names: list[str]) -> None:
