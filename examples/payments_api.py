@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -76,6 +77,11 @@ JSON_HEADERS = {"content-type": "application/json"}
 def create_app(store: PostgresStore | None = None, gateway_url: str | None = None) -> FastAPI:
     holder: dict[str, Any] = {"store": store}
     secret = os.environ.get("GATEWAY_WEBHOOK_SECRET", DEV_SECRET)
+    if secret == DEV_SECRET:
+        logging.getLogger("payments_api").warning(
+            "GATEWAY_WEBHOOK_SECRET is not set: using the development secret; anyone who reads "
+            "this file can forge gateway webhooks. Set your own outside a laptop."
+        )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
