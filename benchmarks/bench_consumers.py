@@ -90,11 +90,8 @@ async def plain_kafka(pool: asyncpg.Pool, topic: str) -> float:
     return clock.rate()
 
 
-async def idempotent_kafka(store: PostgresStore, topic: str, batch: bool) -> float:
-    consumer = idempotent_consumer(
-        store, scope=f"bench-{uuid.uuid4().hex[:6]}", key=header("idempotency-key"), batch=batch
-    )(record_payments if batch else record_payment)
-    runner = KafkaRunner(consumer, topics=[topic], group_id=f"idem-{uuid.uuid4().hex}")
+async def timed(runner: Any) -> float:
+    """Run a runner until it has settled N messages; its rate from first to last."""
     clock = Clock()
     stop = asyncio.Event()
     task = asyncio.create_task(runner.run(stop))
@@ -113,6 +110,14 @@ async def idempotent_kafka(store: PostgresStore, topic: str, batch: bool) -> flo
         stop.set()
         await task
     return clock.rate()
+
+
+async def idempotent_kafka(store: PostgresStore, topic: str, batch: bool) -> float:
+    consumer = idempotent_consumer(
+        store, scope=f"bench-{uuid.uuid4().hex[:6]}", key=header("idempotency-key"), batch=batch
+    )(record_payments if batch else record_payment)
+    runner = KafkaRunner(consumer, topics=[topic], group_id=f"idem-{uuid.uuid4().hex}")
+    return await timed(runner)
 
 
 async def plain_rabbit(pool: asyncpg.Pool, queue: str) -> float:
@@ -142,24 +147,7 @@ async def idempotent_rabbit(store: PostgresStore, queue: str) -> float:
         store, scope=f"bench-{uuid.uuid4().hex[:6]}", key=header("idempotency-key")
     )(record_payment)
     runner = RabbitRunner(consumer, queue=queue, prefetch=32)
-    clock = Clock()
-    stop = asyncio.Event()
-    task = asyncio.create_task(runner.run(stop))
-    seen = 0
-
-    def done() -> bool:
-        nonlocal seen
-        if runner.stats.processed > seen:
-            clock.tick(runner.stats.processed - seen)
-            seen = runner.stats.processed
-        return seen >= N
-
-    try:
-        await until(done)
-    finally:
-        stop.set()
-        await task
-    return clock.rate()
+    return await timed(runner)
 
 
 async def run() -> list[dict[str, Any]]:
