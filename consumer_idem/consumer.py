@@ -9,6 +9,7 @@ never imports a broker client.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -72,6 +73,28 @@ class RunnerStats:
     reconcile_published: int = 0
     retries: int = 0
     commits: int = 0
+
+
+async def publish_until_sent(
+    send: Callable[[], Awaitable[Any]],
+    *,
+    destination: str,
+    stopping: Callable[[], bool],
+    retry_on: type[BaseException] | tuple[type[BaseException], ...] = Exception,
+) -> bool:
+    """Publish with backoff until the broker confirms it: a delivery must not be acked before
+    its dead letter or notice is durable. False only when stopping interrupted it."""
+    delay = 0.2
+    while True:
+        try:
+            await send()
+            return True
+        except retry_on as exc:
+            if stopping():
+                return False
+            log.warning("publish to %s failed (%r); retrying in %.1fs", destination, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
 
 
 async def notice_published(stats: RunnerStats, store: PostgresStore, scope: str, key: str) -> None:

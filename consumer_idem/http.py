@@ -265,11 +265,13 @@ class IdempotencyMiddleware:
         mode = options.mode or self.mode
         fail_open = self.fail_open if options.fail_open is None else options.fail_open
         started = _Started(send)
+        # the body was read to fingerprint it: the app reads it again, then the real receive
+        replayed = _replay_body(body, receive)
         try:
             if mode == "two_phase":
-                await self._two_phase(scope, started, body, record_scope, key, fingerprint)
+                await self._two_phase(scope, started, replayed, record_scope, key, fingerprint)
             else:
-                await self._transactional(scope, started, body, record_scope, key, fingerprint)
+                await self._transactional(scope, started, replayed, record_scope, key, fingerprint)
         except StoreUnavailable as exc:
             if started.started:
                 raise
@@ -297,7 +299,7 @@ class IdempotencyMiddleware:
         self,
         scope: Scope,
         send: _Started,
-        body: bytes,
+        receive: Receive,
         record_scope: str,
         key: str,
         fingerprint: str,
@@ -342,7 +344,7 @@ class IdempotencyMiddleware:
                 await conn.execute("COMMIT")
 
             try:
-                captured = await self._run_app(scope, body, context, send, commit)
+                captured = await self._run_app(scope, receive, context, send, commit)
             except Exception:
                 await _rollback(conn)
                 await store.record_failure(
@@ -374,7 +376,7 @@ class IdempotencyMiddleware:
         self,
         scope: Scope,
         send: _Started,
-        body: bytes,
+        receive: Receive,
         record_scope: str,
         key: str,
         fingerprint: str,
@@ -399,7 +401,7 @@ class IdempotencyMiddleware:
                 )
 
         try:
-            captured = await self._run_app(scope, body, context, send, commit)
+            captured = await self._run_app(scope, receive, context, send, commit)
         except Retryable as exc:
             await store.fail_retryable(record_scope, key, token, str(exc))
             await _send(
@@ -426,7 +428,7 @@ class IdempotencyMiddleware:
     async def _run_app(
         self,
         scope: Scope,
-        body: bytes,
+        receive: Receive,
         context: IdempotencyContext,
         send: _Started,
         commit: Callable[[_Captured], Awaitable[None]],
@@ -434,15 +436,6 @@ class IdempotencyMiddleware:
         captured = _Captured()
         inner = dict(scope)
         inner["state"] = {**(scope.get("state") or {}), "idempotency": context}
-        delivered = False
-
-        async def receive() -> Message:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await asyncio.Event().wait()  # never: the body was read already
-            raise AssertionError("unreachable")
 
         async def capture(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -36,6 +36,7 @@ from consumer_idem.consumer import (
     RunnerStats,
     Verdict,
     notice_published,
+    publish_until_sent,
     reconcile_notice,
 )
 from consumer_idem.key_strategies import ORIGINAL_OFFSET, ORIGINAL_PARTITION, ORIGINAL_TOPIC
@@ -319,17 +320,12 @@ class KafkaRunner:
     async def _publish(
         self, topic: str, value: bytes | None, key: bytes | None, headers: list[tuple[str, bytes]]
     ) -> bool:
-        delay = 0.2
-        while True:
-            try:
-                await self._producer.send_and_wait(topic, value=value, key=key, headers=headers)
-                return True
-            except KafkaError as exc:
-                if self._stopping:
-                    return False
-                log.warning("publish to %s failed (%r); retrying in %.1fs", topic, exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
+        return await publish_until_sent(
+            lambda: self._producer.send_and_wait(topic, value=value, key=key, headers=headers),
+            destination=topic,
+            stopping=lambda: self._stopping,
+            retry_on=KafkaError,
+        )
 
     def _dead_letter_topic(self, topic: str) -> str:
         if self._dlq is None:

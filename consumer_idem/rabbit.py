@@ -34,6 +34,7 @@ from consumer_idem.consumer import (
     RunnerStats,
     Verdict,
     notice_published,
+    publish_until_sent,
     reconcile_notice,
 )
 from consumer_idem.message import ConsumerMessage, header_bytes
@@ -186,20 +187,14 @@ class RabbitRunner:
             log.warning("could not settle delivery %s: %r", message.delivery_tag, exc)
 
     async def _publish(self, routing_key: str, message: aio_pika.Message) -> bool:
-        delay = 0.2
-        while True:
-            try:
-                assert self._channel is not None
-                await self._channel.default_exchange.publish(
-                    message, routing_key=routing_key, mandatory=True
-                )
-                return True  # confirmed by the broker (publisher confirms are on)
-            except Exception as exc:
-                if self._stopping.is_set():
-                    return False
-                log.warning("publish to %s failed (%r); retrying in %.1fs", routing_key, exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
+        assert self._channel is not None
+        exchange = self._channel.default_exchange
+        # awaited publishes return once the broker confirmed them (publisher confirms are on)
+        return await publish_until_sent(
+            lambda: exchange.publish(message, routing_key=routing_key, mandatory=True),
+            destination=routing_key,
+            stopping=self._stopping.is_set,
+        )
 
     async def _dead_letter(self, message: AbstractIncomingMessage, verdict: Verdict) -> bool:
         headers: dict[str, Any] = dict(message.headers or {})

@@ -22,9 +22,3 @@ async def rabbitmqctl(*args: str) -> None:
         await _run("rabbitmqctl", *args)
     else:  # the Docker path: the broker runs in the compose service
         await _run("docker", "compose", "exec", "-T", "rabbitmq", "rabbitmqctl", *args)
-
-
-async def restart_rabbitmq() -> None:
-    """Stop and start the broker application: every client connection is dropped."""
-    await rabbitmqctl("stop_app")
-    await rabbitmqctl("start_app")
