@@ -304,7 +304,16 @@ class IdempotentConsumer:
         prepared = self.prepare(message)
         if isinstance(prepared, Verdict):
             return prepared
-        key, fingerprint = prepared
+        return await self.execute(message, *prepared, conn=conn)
+
+    async def execute(
+        self,
+        message: ConsumerMessage,
+        key: str,
+        fingerprint: str,
+        conn: asyncpg.Connection | None = None,
+    ) -> Verdict:
+        """:meth:`process` after :meth:`prepare`: for a transport that needs the key first."""
         try:
             if self.mode == "two_phase":
 

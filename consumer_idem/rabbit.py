@@ -61,6 +61,28 @@ def to_message(message: AbstractIncomingMessage) -> ConsumerMessage:
     )
 
 
+def dead_letter_headers(
+    message: AbstractIncomingMessage, verdict: Verdict, queue: str
+) -> dict[str, Any]:
+    """The message's own headers, the queue it first came from and why it is dead-lettered."""
+    headers: dict[str, Any] = dict(message.headers or {})
+    headers.setdefault(ORIGINAL_QUEUE, queue)
+    headers[DEAD_LETTER_REASON] = verdict.reason or "unknown"
+    headers[DEAD_LETTER_SCOPE] = verdict.scope
+    if verdict.key is not None:
+        headers[DEAD_LETTER_KEY] = verdict.key
+    return headers
+
+
+def redispatch_headers(notice: Notice) -> dict[str, Any]:
+    """The original headers of a notice's message, text ones as text (AMQP keeps types)."""
+    headers: dict[str, Any] = {k: bytearray(v) for k, v in notice.headers.items()}
+    for name, value in notice.headers.items():
+        with contextlib.suppress(UnicodeDecodeError):
+            headers[name] = value.decode("utf-8")
+    return headers
+
+
 class RabbitRunner:
     """Consume ``queue`` through ``consumer``. ``await runner.run(stop_event)``."""
 
@@ -197,15 +219,9 @@ class RabbitRunner:
         )
 
     async def _dead_letter(self, message: AbstractIncomingMessage, verdict: Verdict) -> bool:
-        headers: dict[str, Any] = dict(message.headers or {})
-        headers.setdefault(ORIGINAL_QUEUE, self.queue_name)
-        headers[DEAD_LETTER_REASON] = verdict.reason or "unknown"
-        headers[DEAD_LETTER_SCOPE] = verdict.scope
-        if verdict.key is not None:
-            headers[DEAD_LETTER_KEY] = verdict.key
         copy = aio_pika.Message(
             message.body,
-            headers=headers,
+            headers=dead_letter_headers(message, verdict, self.queue_name),
             message_id=message.message_id,
             content_type=message.content_type,
             correlation_id=message.correlation_id,
@@ -239,11 +255,9 @@ class RabbitRunner:
         """Send the original message of a notice back to its queue, to run once."""
         if notice.source is None or notice.body is None:
             return False
-        headers: dict[str, Any] = {k: bytearray(v) for k, v in notice.headers.items()}
-        for name, value in notice.headers.items():
-            with contextlib.suppress(UnicodeDecodeError):  # text headers go back as text
-                headers[name] = value.decode("utf-8")
         message = aio_pika.Message(
-            notice.body, headers=headers, delivery_mode=aio_pika.DeliveryMode.PERSISTENT
+            notice.body,
+            headers=redispatch_headers(notice),
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         )
         return await self._publish(notice.source, message)

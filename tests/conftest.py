@@ -164,6 +164,15 @@ async def store(pg_pool: asyncpg.Pool) -> Any:
     return store
 
 
+@pytest.fixture(scope="session")
+async def effects(pg_pool: asyncpg.Pool) -> None:
+    """The FastStream tests' effect table (see ``tests/_faststream.py``)."""
+    await pg_pool.execute(
+        "CREATE TABLE IF NOT EXISTS fs_effects (scope text, key text, n int, at timestamptz"
+        " DEFAULT now())"
+    )
+
+
 @pytest.fixture
 def scope() -> str:
     """A scope private to one test: records of different tests never meet."""

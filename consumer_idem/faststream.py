@@ -1,0 +1,677 @@
+"""FastStream integration: idempotent subscribers on ``KafkaBroker`` and ``RabbitBroker``.
+
+:class:`Idempotency` is a FastStream middleware. Put it on a router (one per scope) or on the
+broker, and subscribe with ``ack_policy=AckPolicy.MANUAL``::
+
+    idem = Idempotency(store, broker=broker, scope="payments.ledger")
+    router = KafkaRouter(middlewares=[idem])
+
+    @router.subscriber("payments", group_id="ledger", ack_policy=AckPolicy.MANUAL)
+    @router.publisher("payments.recorded")
+    async def record(body: dict, conn: IdempotentConnection) -> dict:
+        await conn.execute("INSERT ...")  # commits with the idempotency record
+        return {"recorded": body["payment_id"]}
+
+    broker.include_router(router)
+
+For each delivery the middleware, wrapped around FastStream's handler call:
+
+1. derives the key from the *raw* message (Kafka header bytes and coordinates, AMQP properties)
+   through the same key strategies as ``@idempotent_consumer``; FastStream's ``message_id`` is
+   never used (it is a fresh UUID when the producer set none);
+2. claims the key, runs the handler and stores its return value in one transaction (or under a
+   lease in two-phase mode); the handler reaches the open connection through FastStream's own
+   injection (:data:`IdempotentConnection`, :data:`IdempotentAttempt`, :data:`CurrentIdempotency`);
+3. returns the stored value to FastStream, so the subscriber's publishers publish it; a duplicate
+   returns the stored value without calling the handler, so they publish the same bytes again;
+4. settles the delivery only after that: a Kafka commit of ``offset + 1`` of that one partition
+   (never "commit everything"), an AMQP ack. Dead letters and reconciliation notices are
+   published through the broker, and confirmed, before the delivery is settled.
+
+A delivery that cannot be settled yet (in progress elsewhere, a retryable failure, the store
+down, the result publish failed after the commit) is delivered again after a backoff: on Kafka
+the consumer seeks back to it (which holds back the subscriber, keeping partition order), on
+RabbitMQ it is ``nack(requeue=True)``-ed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
+from typing import Annotated, Any, Literal, Protocol
+
+import asyncpg
+from faststream import BaseMiddleware, Context, Response, StreamMessage
+from faststream.exceptions import AckMessage, NackMessage, RejectMessage
+from faststream.message import AckStatus
+
+from consumer_idem.consumer import (
+    DEFAULT_KEY,
+    Action,
+    IdempotentConsumer,
+    RunnerStats,
+    Verdict,
+    notice_published,
+    publish_until_sent,
+    reconcile_notice,
+)
+from consumer_idem.errors import ConsumerIdemError, PoisonMessage
+from consumer_idem.execution import Attempt, LocalWrites
+from consumer_idem.key_strategies import KeyStrategy
+from consumer_idem.message import ConsumerMessage
+from consumer_idem.notice import KEY_HEADER, SCOPE_HEADER, Notice
+from consumer_idem.store import PostgresStore
+from consumer_idem.types import OutcomeKind, ResultKind
+
+log = logging.getLogger("consumer_idem.faststream")
+
+DEFAULT_RECONCILE_DESTINATION = "consumer_idem.reconcile"
+#: the context name under which the handler finds :class:`IdempotencyContext`
+CONTEXT_NAME = "idempotency"
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyContext:
+    """What an idempotent handler can inject (``Context("idempotency")``)."""
+
+    scope: str
+    key: str
+    #: the transport-neutral view of the raw delivery (headers as bytes, coordinates)
+    message: ConsumerMessage
+    #: transactional mode: the open connection; write on it to commit with the record
+    conn: asyncpg.Connection | None = None
+    #: two-phase mode: the attempt (``attempt.downstream_key`` for the far side)
+    attempt: Attempt | None = None
+
+
+#: the open transaction's connection, for a handler parameter: ``conn: IdempotentConnection``
+IdempotentConnection = Annotated[asyncpg.Connection, Context(f"{CONTEXT_NAME}.conn")]
+#: the two-phase attempt, for a handler parameter: ``attempt: IdempotentAttempt``
+IdempotentAttempt = Annotated[Attempt, Context(f"{CONTEXT_NAME}.attempt")]
+#: scope, key, raw message and connection or attempt together
+CurrentIdempotency = Annotated[IdempotencyContext, Context(CONTEXT_NAME)]
+
+
+class IdempotencyConfigError(ConsumerIdemError):
+    """The subscriber is configured in a way that cannot be made idempotent."""
+
+
+class _Settled(Exception):
+    """Raised from the handler call so that FastStream publishes nothing for this delivery
+    (dead letter, retry, unknown, domain error); the middleware swallows it after settling."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(f"consumer-idem: {verdict.action} ({verdict.reason})")
+        self.verdict = verdict
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    call_next: Callable[[StreamMessage[Any]], Awaitable[Any]]
+    message: StreamMessage[Any]
+    context: Any
+    key: str
+
+
+_CURRENT: ContextVar[_Call] = ContextVar("consumer_idem_faststream_call")
+
+
+# --- results -------------------------------------------------------------------------------------
+
+
+def _store_form(result: Any) -> dict[str, Any]:
+    """How a handler's return value is stored: an envelope, so that bytes and plain-Response
+    headers survive. The first run publishes this form too, so a replay publishes the same."""
+    if isinstance(result, Response):
+        if type(result) is not Response:
+            raise PoisonMessage(
+                "result_not_replayable",
+                f"{type(result).__name__} carries broker-specific fields a replay cannot "
+                "reproduce; return the body, or a plain faststream.Response(body, headers=...)",
+            )
+        form = _store_form(result.body)
+        form["headers"] = {str(k): str(v) for k, v in result.headers.items()}
+        return form
+    if isinstance(result, bytes | bytearray | memoryview):
+        return {"body_b64": base64.b64encode(bytes(result)).decode()}
+    return {"body": _jsonable(result)}
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    try:  # pydantic models, dataclasses, datetimes, UUIDs... (pydantic comes with FastStream)
+        from pydantic_core import to_jsonable_python
+    except ImportError:  # pragma: no cover - FastStream without pydantic
+        return value
+    return to_jsonable_python(value)
+
+
+#: stored for a handler that raised FastStream's AckMessage: acked, nothing published
+_ACK_ONLY = {"ack_only": True}
+_NOTHING = object()
+
+
+def _published_form(stored: Any) -> Any:
+    """What FastStream publishes for a stored result (first run and replays alike)."""
+    if stored == _ACK_ONLY:
+        return _NOTHING
+    if not isinstance(stored, dict):
+        return stored  # a result stored by something else than this middleware
+    if "body_b64" in stored:
+        body: Any = base64.b64decode(stored["body_b64"])
+    else:
+        body = stored.get("body")
+    if "headers" in stored:
+        return Response(body, headers=dict(stored["headers"]))
+    return body
+
+
+# --- transports ----------------------------------------------------------------------------------
+
+
+class _Transport(Protocol):
+    def incoming(self, message: StreamMessage[Any]) -> ConsumerMessage: ...
+
+    def source(self, message: StreamMessage[Any], subscriber: Any) -> str: ...
+
+    async def ack(self, message: StreamMessage[Any]) -> None: ...
+
+    async def retry(self, message: StreamMessage[Any]) -> None: ...
+
+    async def dead_letter(
+        self, message: StreamMessage[Any], verdict: Verdict, source: str, to: str
+    ) -> None: ...
+
+    async def notice(self, scope: str, key: str, body: bytes) -> None: ...
+
+    async def redispatch(self, notice: Notice) -> None: ...
+
+
+class _Kafka:
+    def __init__(self, idem: Idempotency, broker: Any) -> None:
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+        from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+
+        self.idem = idem
+        self.broker = broker
+        self._consumer_type = AIOKafkaConsumer
+        self._tp = TopicPartition
+        self._commit_errors = (CommitFailedError, IllegalStateError, KafkaError, AssertionError)
+        options = getattr(broker, "_connection_kwargs", {})  # FastStream keeps them here
+        if options.get("acks") not in ("all", -1) and not options.get("enable_idempotence"):
+            log.warning(
+                "KafkaBroker without acks='all': a dead letter or reconciliation notice may be "
+                "lost with a broker failover after its delivery was committed. "
+                "Create it with KafkaBroker(..., acks='all', enable_idempotence=True)."
+            )
+
+    def incoming(self, message: StreamMessage[Any]) -> ConsumerMessage:
+        from consumer_idem.kafka import to_message
+
+        record = message.raw_message
+        if isinstance(record, tuple):
+            raise IdempotencyConfigError(
+                "batch subscribers are not supported by the FastStream middleware; use "
+                "consumer_idem.kafka.KafkaRunner with @idempotent_consumer(batch=True)"
+            )
+        if not hasattr(record, "offset"):
+            raise IdempotencyConfigError("a Kafka Idempotency middleware got a non-Kafka message")
+        return to_message(record)
+
+    def source(self, message: StreamMessage[Any], subscriber: Any) -> str:
+        return str(message.raw_message.topic)
+
+    async def ack(self, message: StreamMessage[Any]) -> None:
+        record = message.raw_message
+        consumer = getattr(message, "consumer", None)
+        if isinstance(consumer, self._consumer_type):
+            # This partition only, up to this record: FastStream's own ack commits every
+            # partition's position, which may be ahead of what is done.
+            offsets = {self._tp(record.topic, record.partition): record.offset + 1}
+            try:
+                await consumer.commit(offsets)
+            except self._commit_errors as exc:
+                # Rebalancing, or no longer ours: the next owner re-reads from the last commit
+                # and meets completed records (replays), so nothing is lost or doubled.
+                log.warning(
+                    "commit of %s/%s@%s failed: %r",
+                    record.topic,
+                    record.partition,
+                    record.offset + 1,
+                    exc,
+                )
+        elif consumer is not None:  # FastStream's test consumer: nothing to commit
+            await consumer.commit()
+        message.committed = AckStatus.ACKED
+
+    async def retry(self, message: StreamMessage[Any]) -> None:
+        await message.nack()  # seeks back to this record: it is the next one fetched
+
+    async def dead_letter(
+        self, message: StreamMessage[Any], verdict: Verdict, source: str, to: str
+    ) -> None:
+        from consumer_idem.kafka import dead_letter_headers
+
+        record = message.raw_message
+        await self._publish(
+            to,
+            record.value,
+            record.key,
+            dead_letter_headers(record, verdict),
+            message.correlation_id,
+        )
+
+    async def notice(self, scope: str, key: str, body: bytes) -> None:
+        await self._publish(
+            self.idem.reconcile_destination,
+            body,
+            f"{scope}/{key}".encode(),
+            [(SCOPE_HEADER, scope.encode()), (KEY_HEADER, key.encode())],
+        )
+
+    async def redispatch(self, notice: Notice) -> None:
+        assert notice.source is not None
+        await self._publish(
+            notice.source, notice.body, notice.key.encode(), list(notice.headers.items())
+        )
+
+    async def _publish(
+        self,
+        topic: str,
+        body: bytes | None,
+        key: bytes | None,
+        headers: Sequence[tuple[str, bytes]],
+        correlation_id: str | None = None,
+    ) -> None:
+        # FastStream sends header values as text: bytes that are not UTF-8 go backslash-escaped
+        text = {name: value.decode("utf-8", "backslashreplace") for name, value in headers}
+        await self.broker.publish(
+            body or b"", topic, key=key, headers=text, correlation_id=correlation_id
+        )
+
+
+class _Rabbit:
+    def __init__(self, idem: Idempotency, broker: Any) -> None:
+        self.idem = idem
+        self.broker = broker
+        self._declared: set[str] = set()
+
+    def incoming(self, message: StreamMessage[Any]) -> ConsumerMessage:
+        from consumer_idem.rabbit import to_message
+
+        raw = message.raw_message
+        if not hasattr(raw, "delivery_tag"):
+            raise IdempotencyConfigError("a RabbitMQ Idempotency middleware got a non-AMQP message")
+        return to_message(raw)
+
+    def source(self, message: StreamMessage[Any], subscriber: Any) -> str:
+        queue = getattr(subscriber, "queue", None)
+        name = getattr(queue, "name", None)
+        return str(name or message.raw_message.routing_key)
+
+    async def ack(self, message: StreamMessage[Any]) -> None:
+        await message.ack()
+
+    async def retry(self, message: StreamMessage[Any]) -> None:
+        await message.nack(requeue=True)  # type: ignore[call-arg]
+
+    async def dead_letter(
+        self, message: StreamMessage[Any], verdict: Verdict, source: str, to: str
+    ) -> None:
+        from consumer_idem.rabbit import dead_letter_headers
+
+        raw = message.raw_message
+        await self._publish(
+            to,
+            raw.body,
+            dead_letter_headers(raw, verdict, source),
+            message_id=raw.message_id,
+            correlation_id=raw.correlation_id,
+            content_type=raw.content_type,
+        )
+
+    async def notice(self, scope: str, key: str, body: bytes) -> None:
+        await self._publish(
+            self.idem.reconcile_destination,
+            body,
+            {SCOPE_HEADER: scope, KEY_HEADER: key},
+            content_type="application/json",
+        )
+
+    async def redispatch(self, notice: Notice) -> None:
+        from consumer_idem.rabbit import redispatch_headers
+
+        assert notice.source is not None and notice.body is not None
+        await self._publish(notice.source, notice.body, redispatch_headers(notice))
+
+    async def _publish(
+        self, queue: str, body: bytes, headers: dict[str, Any], **properties: Any
+    ) -> None:
+        if self.idem.declare and queue not in self._declared:
+            from faststream.rabbit import QueueType, RabbitQueue
+
+            # the same declaration as RabbitRunner's: durable quorum queues
+            await self.broker.declare_queue(RabbitQueue(queue, queue_type=QueueType.QUORUM))
+            self._declared.add(queue)
+        # persistent, mandatory (an unroutable copy is an error), awaited publisher confirm
+        await self.broker.publish(
+            body, queue, headers=headers, persist=True, mandatory=True, **properties
+        )
+
+
+# --- the middleware ------------------------------------------------------------------------------
+
+
+class Idempotency:
+    """A FastStream middleware factory making subscribers idempotent (see the module docstring).
+
+    ``store``: a :class:`PostgresStore`, or a callable returning it (for apps that open their
+    pool on startup). ``broker``: the ``KafkaBroker`` or ``RabbitBroker`` the subscribers belong
+    to; dead letters, reconciliation notices and re-dispatches are published through it.
+    The other arguments are those of :func:`consumer_idem.idempotent_consumer`, plus:
+
+    * ``dead_letter``: destination for poison messages: a name, or a callable of the source
+      topic/queue (default ``<source>.dlq``);
+    * ``reconcile_destination``: topic or queue for notices of ``unknown`` outcomes;
+    * ``max_deliveries`` (RabbitMQ quorum queues): a message redelivered this many times is
+      dead-lettered without running (it keeps killing the consumer);
+    * ``declare`` (RabbitMQ): declare the dead-letter and notice queues (durable, quorum).
+
+    It also serves as the transport of a :class:`~consumer_idem.reconcile.Sweeper` or
+    :class:`~consumer_idem.reconcile.Reconciler` (``publish_notice``, ``redispatch``).
+    """
+
+    def __init__(
+        self,
+        store: PostgresStore | Callable[[], PostgresStore],
+        *,
+        broker: Any,
+        scope: str,
+        key: KeyStrategy = DEFAULT_KEY,
+        mode: Literal["transactional", "two_phase"] = "transactional",
+        payload: Literal["json", "bytes"] = "json",
+        fingerprint_fields: Sequence[str] | None = None,
+        local_writes: LocalWrites | None = None,
+        max_attempts: int = 5,
+        lease: timedelta | float | None = None,
+        retention: timedelta | float | None = None,
+        backoff: tuple[float, float] = (0.2, 30.0),
+        dead_letter: str | Callable[[str], str] | None = None,
+        reconcile_destination: str = DEFAULT_RECONCILE_DESTINATION,
+        max_deliveries: int | None = 20,
+        declare: bool = True,
+    ) -> None:
+        self._store_source = store
+        self._options: dict[str, Any] = {
+            "scope": scope,
+            "key": key,
+            "mode": mode,
+            "payload": payload,
+            "fingerprint_fields": fingerprint_fields,
+            "local_writes": local_writes,
+            "max_attempts": max_attempts,
+            "lease": lease,
+            "retention": retention,
+            "backoff": backoff,
+        }
+        self._consumer: IdempotentConsumer | None = None
+        if isinstance(store, PostgresStore):
+            self._consumer = self._build(store)
+        elif not callable(store):  # fail here, not on the first message
+            raise TypeError("store must be a PostgresStore or a callable returning one")
+        self.scope = scope
+        self.broker = broker
+        self.dead_letter = dead_letter
+        self.reconcile_destination = reconcile_destination
+        self.max_deliveries = max_deliveries
+        self.declare = declare
+        self.stats = RunnerStats()
+        self.transport = self._transport_for(broker)
+
+    def _build(self, store: PostgresStore) -> IdempotentConsumer:
+        return IdempotentConsumer(self._handle, store=store, **self._options)
+
+    def _transport_for(self, broker: Any) -> _Transport:
+        kinds: list[tuple[str, str, type[_Kafka] | type[_Rabbit]]] = [
+            ("faststream.kafka", "KafkaBroker", _Kafka),
+            ("faststream.rabbit", "RabbitBroker", _Rabbit),
+        ]
+        for module, name, transport in kinds:
+            try:
+                broker_type = getattr(__import__(module, fromlist=[name]), name)
+            except ImportError:
+                continue
+            if isinstance(broker, broker_type):
+                return transport(self, broker)
+        raise IdempotencyConfigError(
+            f"broker must be a FastStream KafkaBroker or RabbitBroker, not {type(broker).__name__}"
+        )
+
+    # --- configuration the transports read -----------------------------------------------------
+
+    @property
+    def consumer(self) -> IdempotentConsumer:
+        """The core :class:`IdempotentConsumer` (built on first use when ``store`` is a
+        callable)."""
+        if self._consumer is None:
+            store = self._store_source
+            assert not isinstance(store, PostgresStore)
+            self._consumer = self._build(store())
+        return self._consumer
+
+    @property
+    def store(self) -> PostgresStore:
+        return self.consumer.store
+
+    def dead_letter_destination(self, source: str) -> str:
+        if self.dead_letter is None:
+            return f"{source}.dlq"
+        return self.dead_letter(source) if callable(self.dead_letter) else self.dead_letter
+
+    # --- FastStream's middleware protocol ------------------------------------------------------
+
+    def __call__(self, msg: Any, /, *, context: Any) -> _Middleware:
+        return _Middleware(msg, context=context, idem=self)
+
+    # --- the handler the core runs -------------------------------------------------------------
+
+    async def _handle(self, message: ConsumerMessage, arg: Any) -> Any:
+        call = _CURRENT.get()
+        attempt = arg if isinstance(arg, Attempt) else None
+        conn = None if attempt is not None else arg
+        ctx = IdempotencyContext(
+            scope=self.scope,
+            key=call.key,
+            message=message,
+            conn=conn,
+            attempt=attempt,
+        )
+        with call.context.scope(CONTEXT_NAME, ctx):
+            try:
+                result = await call.call_next(call.message)
+            except AckMessage:  # "done, ack it": what was written so far commits, unpublished
+                return dict(_ACK_ONLY)
+            except NackMessage as exc:  # "deliver it again": roll back, retry with backoff
+                raise RuntimeError("the handler asked for redelivery (NackMessage)") from exc
+            except RejectMessage as exc:
+                raise PoisonMessage("rejected", "the handler rejected the message") from exc
+            except _validation_errors() as exc:  # the body does not fit the handler's types
+                raise PoisonMessage("invalid_payload", str(exc)[:500]) from exc
+        return _store_form(result)
+
+    # --- publishing, also for Sweeper / Reconciler ---------------------------------------------
+
+    async def _until_sent(
+        self, send: Callable[[], Awaitable[Any]], destination: str, subscriber: Any = None
+    ) -> bool:
+        return await publish_until_sent(
+            send,
+            destination=destination,
+            # a subscriber shutting down stops retrying: its delivery stays unsettled
+            stopping=lambda: not getattr(subscriber, "running", True),
+        )
+
+    async def publish_notice(
+        self, scope: str, key: str, body: bytes, *, subscriber: Any = None
+    ) -> bool:
+        """Publish a reconciliation notice (confirmed) and record that it was published."""
+        destination = self.reconcile_destination
+        send = lambda: self.transport.notice(scope, key, body)  # noqa: E731
+        if not await self._until_sent(send, destination, subscriber):
+            return False
+        await notice_published(self.stats, self.store, scope, key)
+        return True
+
+    async def redispatch(self, notice: Notice) -> bool:
+        """Send the original message of a notice back to where it came from, to run once."""
+        if notice.source is None or notice.body is None:
+            return False
+        return await self._until_sent(lambda: self.transport.redispatch(notice), notice.source)
+
+
+def _validation_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = []
+    try:
+        from fast_depends.exceptions import ValidationError as DependsValidationError
+
+        errors.append(DependsValidationError)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from pydantic import ValidationError
+
+        errors.append(ValidationError)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(errors)
+
+
+class _Middleware(BaseMiddleware):
+    """One delivery through :class:`Idempotency`."""
+
+    def __init__(self, msg: Any, /, *, context: Any, idem: Idempotency) -> None:
+        super().__init__(msg, context=context)
+        self.idem = idem
+        self.message: StreamMessage[Any] | None = None
+        self.subscriber: Any = None
+        self.incoming: ConsumerMessage | None = None
+        self.verdict: Verdict | None = None
+
+    async def consume_scope(
+        self, call_next: Callable[[StreamMessage[Any]], Awaitable[Any]], msg: StreamMessage[Any]
+    ) -> Any:
+        idem = self.idem
+        if msg.committed is not None:
+            raise IdempotencyConfigError(
+                "the delivery was acknowledged before the handler ran (AckPolicy.ACK_FIRST, "
+                "FastStream's default on Kafka, auto-commits): subscribe with "
+                "ack_policy=AckPolicy.MANUAL"
+            )
+        self.message = msg
+        self.subscriber = self.context.get("handler_")
+        incoming = self.incoming = idem.transport.incoming(msg)
+        verdict = self._precheck(incoming)
+        if verdict is None:
+            consumer = idem.consumer
+            prepared = consumer.prepare(incoming)
+            if isinstance(prepared, Verdict):
+                verdict = prepared
+            else:
+                key, fingerprint = prepared
+                token = _CURRENT.set(_Call(call_next, msg, self.context, key))
+                try:
+                    verdict = await consumer.execute(incoming, key, fingerprint)
+                finally:
+                    _CURRENT.reset(token)
+        self.verdict = verdict
+        outcome = verdict.outcome
+        if (
+            verdict.action is Action.ACK
+            and not verdict.reconcile
+            and outcome is not None
+            and outcome.kind in (OutcomeKind.EXECUTED, OutcomeKind.REPLAYED)
+            and outcome.result_kind is ResultKind.SUCCESS
+        ):
+            published = _published_form(verdict.result)
+            if published is not _NOTHING:
+                return published
+        raise _Settled(verdict)
+
+    def _precheck(self, incoming: ConsumerMessage) -> Verdict | None:
+        limit = self.idem.max_deliveries
+        count = incoming.delivery_count
+        if limit is not None and count is not None and count >= limit:
+            return Verdict(Action.DEAD_LETTER, self.idem.scope, reason="max_deliveries")
+        return None
+
+    async def after_processed(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc_val: BaseException | None = None,
+        exc_tb: TracebackType | None = None,
+    ) -> bool | None:
+        message, verdict = self.message, self.verdict
+        if message is None or isinstance(exc_val, IdempotencyConfigError | asyncio.CancelledError):
+            return False  # never ours to settle (or shutting down: it is delivered again)
+        if verdict is None or (exc_val is not None and not isinstance(exc_val, _Settled)):
+            # Failed before a verdict, or the result could not be published after the commit:
+            # deliver it again; the redelivery replays the stored result and publishes it.
+            log.warning("delivery not settled, will be delivered again: %r", exc_val)
+            self.idem.stats.retries += 1
+            await asyncio.sleep(self.idem.consumer.backoff_base)
+            await self._retry(message)
+            return False
+        await self._settle(message, verdict)
+        return exc_val is not None  # our own _Settled: swallowed
+
+    async def _settle(self, message: StreamMessage[Any], verdict: Verdict) -> None:
+        idem, stats, transport = self.idem, self.idem.stats, self.idem.transport
+        incoming = self.incoming
+        assert incoming is not None
+        if verdict.action is Action.RETRY:
+            stats.retries += 1
+            log.info("retrying in %.2fs (%s)", verdict.retry_after, verdict.reason)
+            await asyncio.sleep(verdict.retry_after)
+            await self._retry(message)
+            return
+        source = transport.source(message, self.subscriber)
+        if verdict.action is Action.DEAD_LETTER:
+            destination = idem.dead_letter_destination(source)
+            sent = await idem._until_sent(
+                lambda: transport.dead_letter(message, verdict, source, destination),
+                destination,
+                self.subscriber,
+            )
+            if sent:
+                stats.dead_lettered += 1
+                log.warning("dead-lettered to %s: %s", destination, verdict.reason)
+        elif verdict.reconcile:
+            assert verdict.key is not None
+            body = reconcile_notice(verdict, incoming, source=source)
+            sent = await idem.publish_notice(
+                verdict.scope, verdict.key, body, subscriber=self.subscriber
+            )
+        else:
+            sent = True
+            if verdict.duplicate:
+                stats.duplicates += 1
+            else:
+                stats.executed += 1
+        if not sent:  # stopping before the publish was confirmed: leave it to a redelivery
+            await self._retry(message)
+            return
+        await transport.ack(message)
+        stats.processed += 1
+
+    async def _retry(self, message: StreamMessage[Any]) -> None:
+        try:
+            await self.idem.transport.retry(message)
+        except Exception as exc:  # e.g. the partition was revoked meanwhile: its next owner
+            log.warning("could not hand the delivery back: %r", exc)  # re-reads it anyway
