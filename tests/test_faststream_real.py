@@ -22,8 +22,10 @@ from faststream import AckPolicy
 from faststream.kafka import KafkaBroker, KafkaRouter
 from faststream.rabbit import QueueType, RabbitBroker, RabbitQueue, RabbitRouter
 
-from consumer_idem import PostgresStore, Status, header
+from consumer_idem import Ambiguous, PostgresStore, Status, header
 from consumer_idem.faststream import CurrentIdempotency, Idempotency, IdempotentConnection
+from consumer_idem.kafka import to_message
+from consumer_idem.notice import decode_notice
 from consumer_idem.settings import Settings
 from examples.payments_producer import plan, send_kafka, send_rabbit
 from handlers.payments import ensure_tables
@@ -34,12 +36,16 @@ from tests.conftest import ROOT_DIR, unique
 KEY = header("idempotency-key")
 
 
+AMBIGUOUS = ("amb", b'{"n": 99, "fail_once": false, "ambiguous": true}')
+
+
 def planned(keys: int, duplicated: int) -> list[tuple[str, bytes]]:
-    """(key, body) for ``keys`` keys, the first ``duplicated`` of them sent twice, mixed."""
+    """(key, body) for ``keys`` keys, the first ``duplicated`` of them sent twice, mixed, and
+    one whose handler fails ambiguously (parked ``unknown``, a notice published)."""
     items = [
         (f"k{i}", json.dumps({"n": i, "fail_once": i == keys - 1}).encode()) for i in range(keys)
     ]
-    items += items[:duplicated]
+    items += [*items[:duplicated], AMBIGUOUS]
     random.Random(keys).shuffle(items)
     return items
 
@@ -53,6 +59,8 @@ def failing_once(failed: set[str]) -> Any:
         data: dict[str, Any], conn: IdempotentConnection, current: CurrentIdempotency
     ) -> dict[str, Any]:
         await write_effect(conn, current, data["n"])
+        if data.get("ambiguous"):
+            raise Ambiguous("the far side timed out")
         if data["fail_once"] and current.key not in failed:
             failed.add(current.key)
             raise ConnectionError("first attempt fails")
@@ -60,6 +68,12 @@ def failing_once(failed: set[str]) -> Any:
         return {"key": current.key, "n": data["n"], "at": at}
 
     return handle
+
+
+async def assert_parked(store: PostgresStore, scope: str) -> None:
+    record = await store.get(scope, AMBIGUOUS[0])
+    assert record is not None and record.status is Status.UNKNOWN
+    assert record.reconcile_published_at is not None  # published before the delivery settled
 
 
 def by_key(bodies: list[bytes]) -> dict[str, set[bytes]]:
@@ -82,6 +96,7 @@ async def test_kafka_duplicates_poison_and_a_retry_with_explicit_per_partition_c
 ) -> None:
     topic = await kafka_topic_factory("fs", partitions=2)
     results = await kafka_topic_factory("fsout")
+    notices = await kafka_topic_factory("fsrec")
     await kafka_admin.create_topics([NewTopic(f"{topic}.dlq", 1, 1)])
     group = unique("fsg")
     commits: list[Any] = []
@@ -94,7 +109,14 @@ async def test_kafka_duplicates_poison_and_a_retry_with_explicit_per_partition_c
     monkeypatch.setattr(AIOKafkaConsumer, "commit", spy)
 
     broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
-    idem = Idempotency(store, broker=broker, scope=scope, key=KEY, backoff=(0.05, 0.5))
+    idem = Idempotency(
+        store,
+        broker=broker,
+        scope=scope,
+        key=KEY,
+        backoff=(0.05, 0.5),
+        reconcile_destination=notices,
+    )
     router = KafkaRouter(middlewares=[idem])
     failed: set[str] = set()
 
@@ -127,6 +149,9 @@ async def test_kafka_duplicates_poison_and_a_retry_with_explicit_per_partition_c
     out = await read_topic(settings.kafka_bootstrap, results, len(items) + 5, within=4)
     grouped = by_key([r.value for r in out])
     assert len(out) == 30 and len(grouped) == 20
+    await assert_parked(store, scope)
+    (notice,) = await read_topic(settings.kafka_bootstrap, notices, 1)
+    assert decode_notice(to_message(notice)).key == "amb"
     assert all(len(bodies) == 1 for bodies in grouped.values()), "a replay published other bytes"
     dead = await read_topic(settings.kafka_bootstrap, f"{topic}.dlq", 1)
     assert (
@@ -156,9 +181,16 @@ async def test_rabbitmq_duplicates_poison_and_a_retry(
     effects: None,
     amqp_connection: aio_pika.abc.AbstractConnection,
 ) -> None:
-    queue, results = unique("fsq"), unique("fsout")
+    queue, results, notices = unique("fsq"), unique("fsout"), unique("fsrec")
     broker = RabbitBroker(settings.amqp_url)
-    idem = Idempotency(store, broker=broker, scope=scope, key=KEY, backoff=(0.05, 0.5))
+    idem = Idempotency(
+        store,
+        broker=broker,
+        scope=scope,
+        key=KEY,
+        backoff=(0.05, 0.5),
+        reconcile_destination=notices,
+    )
     router = RabbitRouter(middlewares=[idem])
     failed: set[str] = set()
 
@@ -198,6 +230,9 @@ async def test_rabbitmq_duplicates_poison_and_a_retry(
         grouped = by_key(bodies)
         assert len(bodies) == 30 and len(grouped) == 20
         assert all(len(b) == 1 for b in grouped.values()), "a replay published other bytes"
+        await assert_parked(store, scope)
+        notice = await (await channel.declare_queue(notices, passive=True)).get(no_ack=True)
+        assert json.loads(notice.body)["key"] == "amb"
         dlq = await channel.declare_queue(f"{queue}.dlq", passive=True)
         dead = await dlq.get(no_ack=True)
         assert dead.headers["x-dead-letter-reason"] == "invalid_key:missing_key"
@@ -205,7 +240,7 @@ async def test_rabbitmq_duplicates_poison_and_a_retry(
         source = await channel.declare_queue(queue, passive=True)
         assert source.declaration_result.message_count == 0
     finally:
-        for name in (queue, results, f"{queue}.dlq"):
+        for name in (queue, results, notices, f"{queue}.dlq"):
             await channel.queue_delete(name)
         await channel.close()
 
