@@ -10,6 +10,7 @@ changes in Postgres except by deletion or expiry, which is why serving it from a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -24,7 +25,10 @@ log = logging.getLogger("consumer_idem.cache")
 
 
 class CompletedCache:
-    """``redis``: a ``redis.asyncio`` client, ideally with a short ``socket_timeout``."""
+    """``redis``: a ``redis.asyncio`` client with a connection pool (the default; a
+    single-connection client would serialise concurrent lookups). Every call is bounded by
+    ``timeout`` seconds here, whatever the client's own socket timeout: a slow Redis counts as
+    an outage and falls through to Postgres."""
 
     def __init__(
         self,
@@ -32,15 +36,20 @@ class CompletedCache:
         *,
         prefix: str = "consumer-idem:completed:",
         ttl: timedelta | float = timedelta(hours=1),
+        timeout: float = 0.25,
         breaker_seconds: float = 5.0,
         metrics: Metrics | None = None,
     ) -> None:
         self.redis = redis
         self.prefix = prefix
         self.ttl = ttl if isinstance(ttl, timedelta) else timedelta(seconds=ttl)
+        self.timeout = timeout
         self.breaker_seconds = breaker_seconds
         self.metrics = metrics or Metrics()
         self._open_until = 0.0
+        # lookups waiting for the round trip in flight, then sent together as one MGET
+        self._gathering: list[tuple[str, asyncio.Future[Any] | None]] | None = None
+        self._in_flight: asyncio.Future[None] | None = None
 
     def _key(self, scope: str, key: str) -> str:
         return f"{self.prefix}{scope}\x1f{key}"  # \x1f cannot occur in a scope or key
@@ -50,7 +59,10 @@ class CompletedCache:
 
     def _failed(self, operation: str, exc: Exception) -> None:
         self.metrics.inc("cache_error", "")
+        was_open = not self._available()
         self._open_until = time.monotonic() + self.breaker_seconds
+        if was_open:  # the lookups of one failed MGET: say it once
+            return
         log.warning(
             "cache %s failed, using Postgres only for %.0fs: %r",
             operation,
@@ -62,7 +74,7 @@ class CompletedCache:
         if not self._available():
             return None
         try:
-            raw = await self.redis.get(self._key(scope, key))
+            raw = await self._lookup(self._key(scope, key))
         except Exception as exc:
             self._failed("get", exc)
             return None
@@ -72,6 +84,60 @@ class CompletedCache:
         self.metrics.inc("cache_hit", scope)
         return _decode(scope, key, raw)
 
+    async def _lookup(self, name: str) -> Any:
+        """GET, batched under concurrency: while one round trip is in flight, the lookups that
+        arrive (a consumer's prefetch, an HTTP server) gather and then share one MGET. The
+        client's cost per command, not Redis, is most of what a cached duplicate pays for. A
+        lone lookup goes at once, with no added wait."""
+        batch = self._gathering
+        if batch is not None:  # a batch is gathering: ride along
+            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            batch.append((name, future))
+            return await future
+        if self._in_flight is None:
+            return (await self._send([name]))[0]
+        batch = self._gathering = [(name, None)]  # lead the next batch
+        try:
+            await self._in_flight  # resolved (never failed) when that round trip ends
+        except BaseException:
+            self._settle_waiting(batch, None)  # cancelled: the others ask Postgres
+            raise
+        finally:
+            self._gathering = None
+        names = list(dict.fromkeys(n for n, _ in batch))
+        try:
+            values = await self._send(names)
+        except BaseException as exc:
+            self._settle_waiting(batch, exc if isinstance(exc, Exception) else None)
+            raise
+        found = dict(zip(names, values, strict=True))
+        for other, waiting in batch[1:]:
+            if waiting is not None and not waiting.done():
+                waiting.set_result(found[other])
+        return found[name]
+
+    async def _send(self, names: list[str]) -> list[Any]:
+        done = self._in_flight = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(self.timeout):
+                if len(names) == 1:
+                    return [await self.redis.get(names[0])]
+                return list(await self.redis.mget(names))
+        finally:
+            self._in_flight = None
+            done.set_result(None)
+
+    @staticmethod
+    def _settle_waiting(
+        batch: list[tuple[str, asyncio.Future[Any] | None]], error: Exception | None
+    ) -> None:
+        for _, waiting in batch[1:]:
+            if waiting is not None and not waiting.done():
+                if error is None:
+                    waiting.set_result(None)  # a miss: Postgres decides
+                else:
+                    waiting.set_exception(error)
+
     async def put(self, record: Record) -> None:
         """Cache a completed record (anything else is ignored: only completed is safe)."""
         if record.status is not Status.COMPLETED or not self._available():
@@ -80,11 +146,12 @@ class CompletedCache:
         if ttl.total_seconds() < 1:
             return
         try:
-            await self.redis.set(
-                self._key(record.scope, record.key),
-                _encode(record),
-                px=int(ttl / timedelta(milliseconds=1)),
-            )
+            async with asyncio.timeout(self.timeout):
+                await self.redis.set(
+                    self._key(record.scope, record.key),
+                    _encode(record),
+                    px=int(ttl / timedelta(milliseconds=1)),
+                )
         except Exception as exc:
             self._failed("put", exc)
 
@@ -93,7 +160,8 @@ class CompletedCache:
         if not keys:
             return
         try:
-            await self.redis.delete(*keys)
+            async with asyncio.timeout(self.timeout):
+                await self.redis.delete(*keys)
         except Exception as exc:  # a stale entry outlives this only until its TTL
             self._failed("delete", exc)
 

@@ -29,9 +29,22 @@ async def cache_client(settings: Settings) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
-@pytest.fixture
-def cached_store(pg_pool: asyncpg.Pool, cache_client: aioredis.Redis, redis_prefix: str) -> Any:
-    return PostgresStore(pg_pool, cache=CompletedCache(cache_client, prefix=redis_prefix))
+@pytest.fixture(params=["socket_timeout", "no_socket_timeout"])
+async def cached_store(
+    request: pytest.FixtureRequest,
+    settings: Settings,
+    pg_pool: asyncpg.Pool,
+    cache_client: aioredis.Redis,
+    redis_prefix: str,
+) -> AsyncIterator[PostgresStore]:
+    """With redis-py's socket timeout, and without one (the cache's own ``timeout`` then
+    bounds every call, so an outage still falls through instead of hanging)."""
+    if request.param == "socket_timeout":
+        yield PostgresStore(pg_pool, cache=CompletedCache(cache_client, prefix=redis_prefix))
+        return
+    client = aioredis.from_url(settings.redis_url)
+    yield PostgresStore(pg_pool, cache=CompletedCache(client, prefix=redis_prefix, timeout=0.2))
+    await client.aclose()
 
 
 async def cached_keys(redis_client: aioredis.Redis, prefix: str) -> list[bytes]:
@@ -127,3 +140,50 @@ async def test_a_redis_outage_mid_run_changes_no_outcome(
     effects = await pg_pool.fetchval("SELECT count(*) FROM cache_effects WHERE scope = $1", scope)
     assert effects == 20
     assert cached_store.metrics.count("cache_error") >= 1  # the outage was really felt
+
+
+class CountingClient:
+    """The real client, counting the commands the cache sends."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.client, name)
+        if name in ("get", "mget", "set", "delete"):
+            self.calls.append(name)
+        return attr
+
+
+async def test_concurrent_lookups_share_one_round_trip_and_get_their_own_answers(
+    pg_pool: asyncpg.Pool,
+    cache_client: aioredis.Redis,
+    redis_client: aioredis.Redis,
+    redis_prefix: str,
+    scope: str,
+) -> None:
+    counting = CountingClient(cache_client)
+    cache = CompletedCache(counting, prefix=redis_prefix)
+    store = PostgresStore(pg_pool, cache=cache)
+    for i in range(10):
+        record = store.completed_record(scope, f"k{i}", f"fp{i}", f'{{"i":{i}}}')
+        await cache.put(record)
+    counting.calls.clear()
+    keys = [f"k{i}" for i in range(20)] + ["k3", "k3"]  # 10 cached, 10 not, a repeat
+    found = await asyncio.gather(*(cache.get(scope, k) for k in keys))
+    assert counting.calls == ["get", "mget"]  # the first goes at once, the rest gather
+    for key, record in zip(keys, found, strict=True):
+        if int(key[1:]) < 10:
+            assert record is not None and record.key == key and record.fingerprint == f"fp{key[1:]}"
+        else:
+            assert record is None
+    # Redis stops answering: every waiting lookup falls through (a miss), none hangs
+    await redis_client.execute_command("CLIENT", "PAUSE", "1000", "ALL")
+    cache.timeout = 0.2
+    started = asyncio.get_running_loop().time()
+    found = await asyncio.gather(*(cache.get(scope, f"k{i}") for i in range(10)))
+    assert found == [None] * 10
+    assert asyncio.get_running_loop().time() - started < 0.9
+    assert cache.metrics.count("cache_error") == 10
+    await asyncio.sleep(1.0)  # the pause is over before the next test talks to Redis
