@@ -11,6 +11,7 @@ changes in Postgres except by deletion or expiry, which is why serving it from a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -26,8 +27,8 @@ log = logging.getLogger("consumer_idem.cache")
 
 class CompletedCache:
     """``redis``: a ``redis.asyncio`` client with a connection pool (the default; a
-    single-connection client would serialise concurrent lookups). Every call is bounded by
-    ``timeout`` seconds here, whatever the client's own socket timeout: a slow Redis counts as
+    single-connection client would serialise concurrent lookups). Every call is bounded, by
+    the client's ``socket_timeout`` or else by ``timeout`` seconds here: a slow Redis counts as
     an outage and falls through to Postgres."""
 
     def __init__(
@@ -49,7 +50,11 @@ class CompletedCache:
         self._open_until = 0.0
         # lookups waiting for the round trip in flight, then sent together as one MGET
         self._gathering: list[tuple[str, asyncio.Future[Any] | None]] | None = None
-        self._in_flight: asyncio.Future[None] | None = None
+        self._in_flight = False
+        self._flight_done: asyncio.Future[None] | None = None  # made only when awaited
+        # the client's own socket timeout already bounds each read: no second timer then
+        pool_options = getattr(getattr(redis, "connection_pool", None), "connection_kwargs", {})
+        self._client_bounded = bool(pool_options.get("socket_timeout"))
 
     def _key(self, scope: str, key: str) -> str:
         return f"{self.prefix}{scope}\x1f{key}"  # \x1f cannot occur in a scope or key
@@ -94,11 +99,13 @@ class CompletedCache:
             future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             batch.append((name, future))
             return await future
-        if self._in_flight is None:
+        if not self._in_flight:
             return (await self._send([name]))[0]
         batch = self._gathering = [(name, None)]  # lead the next batch
+        if self._flight_done is None:
+            self._flight_done = asyncio.get_running_loop().create_future()
         try:
-            await self._in_flight  # resolved (never failed) when that round trip ends
+            await self._flight_done  # resolved (never failed) when that round trip ends
         except BaseException:
             self._settle_waiting(batch, None)  # cancelled: the others ask Postgres
             raise
@@ -117,15 +124,21 @@ class CompletedCache:
         return found[name]
 
     async def _send(self, names: list[str]) -> list[Any]:
-        done = self._in_flight = asyncio.get_running_loop().create_future()
+        self._in_flight = True
         try:
-            async with asyncio.timeout(self.timeout):
+            async with self._bounded():
                 if len(names) == 1:
                     return [await self.redis.get(names[0])]
                 return list(await self.redis.mget(names))
         finally:
-            self._in_flight = None
-            done.set_result(None)
+            self._in_flight = False
+            done, self._flight_done = self._flight_done, None
+            if done is not None:
+                done.set_result(None)
+
+    def _bounded(self) -> Any:
+        """A timer of ``timeout`` seconds, unless the client bounds its reads itself."""
+        return contextlib.nullcontext() if self._client_bounded else asyncio.timeout(self.timeout)
 
     @staticmethod
     def _settle_waiting(
@@ -146,7 +159,7 @@ class CompletedCache:
         if ttl.total_seconds() < 1:
             return
         try:
-            async with asyncio.timeout(self.timeout):
+            async with self._bounded():
                 await self.redis.set(
                     self._key(record.scope, record.key),
                     _encode(record),
@@ -160,7 +173,7 @@ class CompletedCache:
         if not keys:
             return
         try:
-            async with asyncio.timeout(self.timeout):
+            async with self._bounded():
                 await self.redis.delete(*keys)
         except Exception as exc:  # a stale entry outlives this only until its TTL
             self._failed("delete", exc)
