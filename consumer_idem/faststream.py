@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
@@ -536,6 +537,7 @@ class Idempotency:
         return await self._until_sent(lambda: self.transport.redispatch(notice), notice.source)
 
 
+@functools.cache  # once: it runs on every handler call
 def _validation_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = []
     try:

@@ -50,6 +50,18 @@ def planned(keys: int, duplicated: int) -> list[tuple[str, bytes]]:
     return items
 
 
+def middleware(store: PostgresStore, broker: Any, scope: str, notices: str) -> Idempotency:
+    """The middleware both real-broker tests use: short backoffs, their own notice topic."""
+    return Idempotency(
+        store,
+        broker=broker,
+        scope=scope,
+        key=KEY,
+        backoff=(0.05, 0.5),
+        reconcile_destination=notices,
+    )
+
+
 def failing_once(failed: set[str]) -> Any:
     """A handler whose message marked ``fail_once`` fails on its first attempt (the effect
     rolls back, the delivery is handed back and runs again); it returns a timestamped result,
@@ -109,14 +121,7 @@ async def test_kafka_duplicates_poison_and_a_retry_with_explicit_per_partition_c
     monkeypatch.setattr(AIOKafkaConsumer, "commit", spy)
 
     broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
-    idem = Idempotency(
-        store,
-        broker=broker,
-        scope=scope,
-        key=KEY,
-        backoff=(0.05, 0.5),
-        reconcile_destination=notices,
-    )
+    idem = middleware(store, broker, scope, notices)
     router = KafkaRouter(middlewares=[idem])
     failed: set[str] = set()
 
@@ -183,14 +188,7 @@ async def test_rabbitmq_duplicates_poison_and_a_retry(
 ) -> None:
     queue, results, notices = unique("fsq"), unique("fsout"), unique("fsrec")
     broker = RabbitBroker(settings.amqp_url)
-    idem = Idempotency(
-        store,
-        broker=broker,
-        scope=scope,
-        key=KEY,
-        backoff=(0.05, 0.5),
-        reconcile_destination=notices,
-    )
+    idem = middleware(store, broker, scope, notices)
     router = RabbitRouter(middlewares=[idem])
     failed: set[str] = set()
 

@@ -89,10 +89,7 @@ def build(
 
     async def publish(payload: Any, key: str | None = None) -> None:
         headers = {"idempotency-key": key} if key is not None else {}
-        if transport == "kafka":
-            await broker.publish(payload, "in", headers=headers)
-        else:
-            await broker.publish(payload, "in", headers=headers)
+        await broker.publish(payload, "in", headers=headers)
 
     return App(
         broker,
