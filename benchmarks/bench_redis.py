@@ -35,7 +35,8 @@ async def run(per_chunk: int = 2000, chunks: int = 6) -> list[dict[str, Any]]:
         await pool.execute("CREATE TABLE bench_effects (k text)")
         plain = PostgresStore(pool)
         await plain.migrate()
-        cached = PostgresStore(pool, cache=CompletedCache(redis, prefix=prefix + "cache:"))
+        cache = CompletedCache(redis, prefix=prefix + "cache:")
+        cached = PostgresStore(pool, cache=cache)
 
         async def effect(conn: asyncpg.Connection, key: str = "") -> None:
             await conn.execute("INSERT INTO bench_effects VALUES ($1)", key)
@@ -98,6 +99,7 @@ async def run(per_chunk: int = 2000, chunks: int = 6) -> list[dict[str, Any]]:
         await rd(-1)
         base, subject = await interleaved(chunks, pg, rd)
         results.append(entry("redis_store.reserve_complete_per_s", subject, "ops/s", base))
+        await cache.aclose()
         await pool.close()
     keys = [k async for k in redis.scan_iter(match=prefix + "*")]
     for i in range(0, len(keys), 1000):

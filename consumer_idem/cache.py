@@ -17,19 +17,27 @@ import logging
 import time
 from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from consumer_idem.metrics import Metrics
 from consumer_idem.types import Record, ResultKind, Status, StoredResponse
+
+if TYPE_CHECKING:
+    from consumer_idem.resp import RespConnection
 
 log = logging.getLogger("consumer_idem.cache")
 
 
 class CompletedCache:
-    """``redis``: a ``redis.asyncio`` client with a connection pool (the default; a
-    single-connection client would serialise concurrent lookups). Every call is bounded, by
-    the client's ``socket_timeout`` or else by ``timeout`` seconds here: a slow Redis counts as
-    an outage and falls through to Postgres."""
+    """``redis``: a ``redis.asyncio`` client. Every call is bounded, by the client's
+    ``socket_timeout`` or else by ``timeout`` seconds here: a slow Redis counts as an outage
+    and falls through to Postgres.
+
+    With ``fast_path`` (the default) the cache sends its four commands over a pipelined
+    connection of its own (:mod:`consumer_idem.resp`) opened with the client's address, db and
+    credentials, because redis-py's per-command overhead is most of a cached duplicate's cost;
+    a client that needs more (TLS, a credential provider, Sentinel, Cluster) is used as it is.
+    Call :meth:`aclose` when done with the cache; the client stays yours to close."""
 
     def __init__(
         self,
@@ -40,6 +48,7 @@ class CompletedCache:
         timeout: float = 0.25,
         breaker_seconds: float = 5.0,
         metrics: Metrics | None = None,
+        fast_path: bool = True,
     ) -> None:
         self.redis = redis
         self.prefix = prefix
@@ -54,7 +63,20 @@ class CompletedCache:
         self._flight_done: asyncio.Future[None] | None = None  # made only when awaited
         # the client's own socket timeout already bounds each read: no second timer then
         pool_options = getattr(getattr(redis, "connection_pool", None), "connection_kwargs", {})
-        self._client_bounded = bool(pool_options.get("socket_timeout"))
+        client_timeout = pool_options.get("socket_timeout")
+        self._client_bounded = bool(client_timeout)
+        self._fast: RespConnection | None = None
+        if fast_path:  # imported here: the store must not need hiredis without a cache
+            from consumer_idem.resp import RespConnection, endpoint_of
+
+            endpoint = endpoint_of(redis)
+            if endpoint is not None:
+                self._fast = RespConnection(endpoint, timeout=float(client_timeout or timeout))
+
+    async def aclose(self) -> None:
+        """Close the cache's own connection (the redis-py client is left open)."""
+        if self._fast is not None:
+            await self._fast.aclose()
 
     def _key(self, scope: str, key: str) -> str:
         return f"{self.prefix}{scope}\x1f{key}"  # \x1f cannot occur in a scope or key
@@ -86,8 +108,14 @@ class CompletedCache:
         if raw is None:
             self.metrics.inc("cache_miss", scope)
             return None
+        try:
+            record = _decode(scope, key, raw)
+        except (ValueError, KeyError, TypeError) as exc:  # not ours, or not this key's: a miss
+            self.metrics.inc("cache_error", scope)
+            log.warning("cache entry for %r/%r ignored: %r", scope, key, exc)
+            return None
         self.metrics.inc("cache_hit", scope)
-        return _decode(scope, key, raw)
+        return record
 
     async def _lookup(self, name: str) -> Any:
         """GET, batched under concurrency: while one round trip is in flight, the lookups that
@@ -126,6 +154,10 @@ class CompletedCache:
     async def _send(self, names: list[str]) -> list[Any]:
         self._in_flight = True
         try:
+            if self._fast is not None:  # bounded by the connection's own timeout
+                if len(names) == 1:
+                    return [await self._fast.execute("GET", names[0])]
+                return list(await self._fast.execute("MGET", *names))
             async with self._bounded():
                 if len(names) == 1:
                     return [await self.redis.get(names[0])]
@@ -158,13 +190,14 @@ class CompletedCache:
         ttl = min(self.ttl, record.expires_at - datetime.now(UTC))
         if ttl.total_seconds() < 1:
             return
+        name, value = self._key(record.scope, record.key), _encode(record)
+        px = int(ttl / timedelta(milliseconds=1))
         try:
+            if self._fast is not None:
+                await self._fast.execute("SET", name, value, "PX", px)
+                return
             async with self._bounded():
-                await self.redis.set(
-                    self._key(record.scope, record.key),
-                    _encode(record),
-                    px=int(ttl / timedelta(milliseconds=1)),
-                )
+                await self.redis.set(name, value, px=px)
         except Exception as exc:
             self._failed("put", exc)
 
@@ -173,6 +206,9 @@ class CompletedCache:
         if not keys:
             return
         try:
+            if self._fast is not None:
+                await self._fast.execute("DEL", *keys)
+                return
             async with self._bounded():
                 await self.redis.delete(*keys)
         except Exception as exc:  # a stale entry outlives this only until its TTL
@@ -183,6 +219,7 @@ def _encode(record: Record) -> str:
     response = record.response
     return json.dumps(
         {
+            "sk": [record.scope, record.key],
             "fp": record.fingerprint,
             "res": record.result_json,
             "rk": record.result_kind.value if record.result_kind else None,
@@ -200,6 +237,8 @@ def _encode(record: Record) -> str:
 
 def _decode(scope: str, key: str, raw: bytes | str) -> Record:
     d = json.loads(raw)
+    if d["sk"] != [scope, key]:  # the entry names its own key: a reply is never misattributed
+        raise ValueError(f"entry is for {d['sk']!r}")
     created = datetime.fromisoformat(d["ca"])
     response = (
         StoredResponse(d["hs"], d["hh"] or {}, bytes.fromhex(d["hb"] or ""))

@@ -29,7 +29,7 @@ async def cache_client(settings: Settings) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
-@pytest.fixture(params=["socket_timeout", "no_socket_timeout"])
+@pytest.fixture(params=["fast_path", "socket_timeout", "no_socket_timeout"])
 async def cached_store(
     request: pytest.FixtureRequest,
     settings: Settings,
@@ -37,14 +37,19 @@ async def cached_store(
     cache_client: aioredis.Redis,
     redis_prefix: str,
 ) -> AsyncIterator[PostgresStore]:
-    """With redis-py's socket timeout, and without one (the cache's own ``timeout`` then
-    bounds every call, so an outage still falls through instead of hanging)."""
-    if request.param == "socket_timeout":
-        yield PostgresStore(pg_pool, cache=CompletedCache(cache_client, prefix=redis_prefix))
+    """The cache's own connection (the default); redis-py with its socket timeout; redis-py
+    without one (the cache's own ``timeout`` then bounds every call, so an outage still falls
+    through instead of hanging)."""
+    if request.param == "no_socket_timeout":
+        client = aioredis.from_url(settings.redis_url)
+        cache = CompletedCache(client, prefix=redis_prefix, timeout=0.2, fast_path=False)
+        yield PostgresStore(pg_pool, cache=cache)
+        await client.aclose()
         return
-    client = aioredis.from_url(settings.redis_url)
-    yield PostgresStore(pg_pool, cache=CompletedCache(client, prefix=redis_prefix, timeout=0.2))
-    await client.aclose()
+    fast = request.param == "fast_path"
+    cache = CompletedCache(cache_client, prefix=redis_prefix, fast_path=fast)
+    yield PostgresStore(pg_pool, cache=cache)
+    await cache.aclose()
 
 
 async def cached_keys(redis_client: aioredis.Redis, prefix: str) -> list[bytes]:
@@ -56,7 +61,8 @@ async def test_a_duplicate_is_answered_without_postgres(
 ) -> None:
     pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
     assert pool is not None
-    store = PostgresStore(pool, cache=CompletedCache(cache_client, prefix=redis_prefix))
+    cache = CompletedCache(cache_client, prefix=redis_prefix)
+    store = PostgresStore(pool, cache=cache)
     await store.migrate()
 
     async def handler(conn: asyncpg.Connection) -> Any:
@@ -70,6 +76,7 @@ async def test_a_duplicate_is_answered_without_postgres(
     assert (await store.reserve(scope, "k", FP)).kind is DecisionKind.REPLAY
     assert (await store.reserve(scope, "k", "v1:jcs:other")).kind is DecisionKind.MISUSE
     assert store.metrics.count("cache_hit", scope) == 3
+    await cache.aclose()
 
 
 async def test_only_completed_records_are_ever_cached(
@@ -156,7 +163,9 @@ class CountingClient:
         return attr
 
 
+@pytest.mark.parametrize("fast_path", [False, True], ids=["redis_py", "fast_path"])
 async def test_concurrent_lookups_share_one_round_trip_and_get_their_own_answers(
+    fast_path: bool,
     pg_pool: asyncpg.Pool,
     cache_client: aioredis.Redis,
     redis_client: aioredis.Redis,
@@ -164,7 +173,7 @@ async def test_concurrent_lookups_share_one_round_trip_and_get_their_own_answers
     scope: str,
 ) -> None:
     counting = CountingClient(cache_client)
-    cache = CompletedCache(counting, prefix=redis_prefix)
+    cache = CompletedCache(counting, prefix=redis_prefix, fast_path=fast_path)
     store = PostgresStore(pg_pool, cache=cache)
     for i in range(10):
         record = store.completed_record(scope, f"k{i}", f"fp{i}", f'{{"i":{i}}}')
@@ -172,7 +181,8 @@ async def test_concurrent_lookups_share_one_round_trip_and_get_their_own_answers
     counting.calls.clear()
     keys = [f"k{i}" for i in range(20)] + ["k3", "k3"]  # 10 cached, 10 not, a repeat
     found = await asyncio.gather(*(cache.get(scope, k) for k in keys))
-    assert counting.calls == ["get", "mget"]  # the first goes at once, the rest gather
+    # the first goes at once, the rest gather; the fast path never touches redis-py
+    assert counting.calls == ([] if fast_path else ["get", "mget"])
     for key, record in zip(keys, found, strict=True):
         if int(key[1:]) < 10:
             assert record is not None and record.key == key and record.fingerprint == f"fp{key[1:]}"
@@ -187,3 +197,19 @@ async def test_concurrent_lookups_share_one_round_trip_and_get_their_own_answers
     assert asyncio.get_running_loop().time() - started < 0.9
     assert cache.metrics.count("cache_error") == 10
     await asyncio.sleep(1.0)  # the pause is over before the next test talks to Redis
+    await cache.aclose()
+
+
+async def test_an_entry_that_names_another_key_is_a_miss(
+    cached_store: PostgresStore, redis_client: aioredis.Redis, redis_prefix: str, scope: str
+) -> None:
+    """Defence in depth: a cache entry carries its own scope and key, so a value that reaches
+    the wrong lookup (a misattributed reply, a hand-copied entry) is never replayed."""
+    d = await cached_store.reserve(scope, "paid", FP)
+    await cached_store.complete(scope, "paid", d.token, {"charged": 100})
+    (name,) = await cached_keys(redis_client, redis_prefix)
+    await redis_client.set(name.replace(b"paid", b"unpaid"), await redis_client.get(name))
+    decision = await cached_store.reserve(scope, "unpaid", FP)
+    assert decision.kind is DecisionKind.EXECUTE  # Postgres decided: the key is new
+    assert cached_store.metrics.count("cache_error", scope) == 1
+    assert cached_store.metrics.count("cache_hit", scope) == 0
