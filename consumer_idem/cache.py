@@ -154,23 +154,23 @@ class CompletedCache:
     async def _send(self, names: list[str]) -> list[Any]:
         self._in_flight = True
         try:
-            if self._fast is not None:  # bounded by the connection's own timeout
-                if len(names) == 1:
-                    return [await self._fast.execute("GET", names[0])]
-                return list(await self._fast.execute("MGET", *names))
-            async with self._bounded():
-                if len(names) == 1:
-                    return [await self.redis.get(names[0])]
-                return list(await self.redis.mget(names))
+            if len(names) == 1:
+                return [await self._command("GET", names[0])]
+            return list(await self._command("MGET", *names))
         finally:
             self._in_flight = False
             done, self._flight_done = self._flight_done, None
             if done is not None:
                 done.set_result(None)
 
-    def _bounded(self) -> Any:
-        """A timer of ``timeout`` seconds, unless the client bounds its reads itself."""
-        return contextlib.nullcontext() if self._client_bounded else asyncio.timeout(self.timeout)
+    async def _command(self, *args: str | int) -> Any:
+        """One bounded command: on the cache's own connection (which bounds it), else through
+        redis-py with a timer of ``timeout`` seconds unless the client bounds its reads itself."""
+        if self._fast is not None:
+            return await self._fast.execute(*args)
+        timer = contextlib.nullcontext() if self._client_bounded else asyncio.timeout(self.timeout)
+        async with timer:
+            return await self.redis.execute_command(*args)
 
     @staticmethod
     def _settle_waiting(
@@ -193,11 +193,7 @@ class CompletedCache:
         name, value = self._key(record.scope, record.key), _encode(record)
         px = int(ttl / timedelta(milliseconds=1))
         try:
-            if self._fast is not None:
-                await self._fast.execute("SET", name, value, "PX", px)
-                return
-            async with self._bounded():
-                await self.redis.set(name, value, px=px)
+            await self._command("SET", name, value, "PX", px)
         except Exception as exc:
             self._failed("put", exc)
 
@@ -206,11 +202,7 @@ class CompletedCache:
         if not keys:
             return
         try:
-            if self._fast is not None:
-                await self._fast.execute("DEL", *keys)
-                return
-            async with self._bounded():
-                await self.redis.delete(*keys)
+            await self._command("DEL", *keys)
         except Exception as exc:  # a stale entry outlives this only until its TTL
             self._failed("delete", exc)
 

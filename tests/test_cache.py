@@ -157,10 +157,11 @@ class CountingClient:
         self.calls: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.client, name)
-        if name in ("get", "mget", "set", "delete"):
-            self.calls.append(name)
-        return attr
+        return getattr(self.client, name)
+
+    async def execute_command(self, *args: Any) -> Any:
+        self.calls.append(str(args[0]).lower())
+        return await self.client.execute_command(*args)
 
 
 @pytest.mark.parametrize("fast_path", [False, True], ids=["redis_py", "fast_path"])
