@@ -1,10 +1,12 @@
-"""The two apps the HTTP benchmark compares: one endpoint, with and without the middleware.
+"""The two apps the HTTP benchmark compares: one endpoint, with and without the middleware;
+and a slow endpoint whose duplicates wait for its result (``wait``).
 
 uvicorn benchmarks.http_apps:with_middleware / :without_middleware
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -49,10 +51,24 @@ async def order_idempotent(request: Request) -> JSONResponse:
     return JSONResponse({"ok": True, "item": data["item"]}, status_code=201)
 
 
+@idempotent(required=True, wait=5)
+async def order_slow(request: Request) -> JSONResponse:
+    data = await request.json()
+    await asyncio.sleep(data["sleep"])  # longer than the claim's lock timeout: duplicates wait
+    await request.state.idempotency.connection.execute(INSERT, data["item"], data["qty"])
+    return JSONResponse({"ok": True, "item": data["item"]}, status_code=201)
+
+
 without_middleware = Starlette(
     routes=[Route("/orders", order_plain, methods=["POST"])], lifespan=lifespan
 )
 with_middleware = Starlette(
-    routes=[Route("/orders", order_idempotent, methods=["POST"])], lifespan=lifespan
+    routes=[
+        Route("/orders", order_idempotent, methods=["POST"]),
+        Route("/slow-orders", order_slow, methods=["POST"]),
+    ],
+    lifespan=lifespan,
 )
-with_middleware.add_middleware(IdempotencyMiddleware, store=lambda: state["store"])
+with_middleware.add_middleware(
+    IdempotencyMiddleware, store=lambda: state["store"], shared_keys=True
+)

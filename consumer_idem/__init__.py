@@ -3,7 +3,9 @@
 The public API is re-exported here; submodules are one concept each.
 """
 
+from consumer_idem.backoff import Backoff
 from consumer_idem.cache import CompletedCache
+from consumer_idem.commit import savepoint
 from consumer_idem.consumer import (
     Action,
     IdempotentConsumer,
@@ -13,14 +15,20 @@ from consumer_idem.consumer import (
 )
 from consumer_idem.errors import (
     Ambiguous,
+    CommitRolledBack,
+    ConfigurationError,
     ConsumerIdemError,
     DomainError,
     InvalidKey,
+    KeyInFlight,
     LeaseLost,
     NotUnknown,
     PoisonMessage,
     Retryable,
+    SchemaMissing,
+    StoreRejected,
     StoreUnavailable,
+    UnstorableResult,
 )
 from consumer_idem.execution import Attempt, run_transactional, run_two_phase
 from consumer_idem.fingerprint import (
@@ -43,6 +51,7 @@ from consumer_idem.message import ConsumerMessage, InvalidPayload
 from consumer_idem.metrics import Metrics
 from consumer_idem.redis_store import RedisStore
 from consumer_idem.settings import Settings, load_settings
+from consumer_idem.settle import PublishRefused, RunnerStats
 from consumer_idem.store import Executed, NotExecuted, PostgresStore, PrunePolicy, Resolution
 from consumer_idem.types import (
     Decision,
@@ -59,7 +68,10 @@ __all__ = [
     "Action",
     "Ambiguous",
     "Attempt",
+    "Backoff",
+    "CommitRolledBack",
     "CompletedCache",
+    "ConfigurationError",
     "ConsumerIdemError",
     "ConsumerMessage",
     "Decision",
@@ -69,6 +81,7 @@ __all__ = [
     "IdempotentConsumer",
     "InvalidKey",
     "InvalidPayload",
+    "KeyInFlight",
     "LeaseLost",
     "Metrics",
     "NotExecuted",
@@ -78,15 +91,20 @@ __all__ = [
     "PoisonMessage",
     "PostgresStore",
     "PrunePolicy",
+    "PublishRefused",
     "Record",
     "RedisStore",
     "Resolution",
     "ResultKind",
     "Retryable",
+    "RunnerStats",
+    "SchemaMissing",
     "Settings",
     "Status",
+    "StoreRejected",
     "StoreUnavailable",
     "StoredResponse",
+    "UnstorableResult",
     "Verdict",
     "amqp_message_id",
     "canonical_json",
@@ -105,6 +123,7 @@ __all__ = [
     "reconcile_notice",
     "run_transactional",
     "run_two_phase",
+    "savepoint",
     "validate_scope",
 ]
 __version__ = "0.1.0"

@@ -9,9 +9,10 @@ never imports a broker client.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+import inspect
 import logging
+import random
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,11 +21,18 @@ from typing import Any, Literal, Protocol
 
 import asyncpg
 
-from consumer_idem.errors import InvalidKey, PoisonMessage, StoreUnavailable
+from consumer_idem.backoff import Backoff
+from consumer_idem.commit import check_sql, commit, execute_and_commit, mark_sql, new_mark, rollback
+from consumer_idem.errors import (
+    InvalidKey,
+    PoisonMessage,
+    StoreRejected,
+    StoreUnavailable,
+    UnstorableResult,
+)
 from consumer_idem.execution import (
     Attempt,
     LocalWrites,
-    _rollback,
     outcome_of,
     run_transactional,
     run_two_phase,
@@ -60,48 +68,7 @@ BatchHandler = Callable[
 DEAD_LETTER_REASON = "x-dead-letter-reason"
 DEAD_LETTER_SCOPE = "x-dead-letter-scope"
 DEAD_LETTER_KEY = "x-dead-letter-key"
-
-
-@dataclass
-class RunnerStats:
-    """What a transport runner did, for logs, the demo and tests."""
-
-    processed: int = 0  #: deliveries settled (acked or dead-lettered)
-    executed: int = 0
-    duplicates: int = 0
-    dead_lettered: int = 0
-    reconcile_published: int = 0
-    retries: int = 0
-    commits: int = 0
-
-
-async def publish_until_sent(
-    send: Callable[[], Awaitable[Any]],
-    *,
-    destination: str,
-    stopping: Callable[[], bool],
-    retry_on: type[BaseException] | tuple[type[BaseException], ...] = Exception,
-) -> bool:
-    """Publish with backoff until the broker confirms it: a delivery must not be acked before
-    its dead letter or notice is durable. False only when stopping interrupted it."""
-    delay = 0.2
-    while True:
-        try:
-            await send()
-            return True
-        except retry_on as exc:
-            if stopping():
-                return False
-            log.warning("publish to %s failed (%r); retrying in %.1fs", destination, exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
-
-
-async def notice_published(stats: RunnerStats, store: PostgresStore, scope: str, key: str) -> None:
-    """Bookkeeping after a reconciliation notice was published (both transports)."""
-    stats.reconcile_published += 1
-    with contextlib.suppress(Exception):  # the sweeper republishes if this is lost
-        await store.mark_reconcile_published(scope, key)
+DEAD_LETTER_ERROR = "x-dead-letter-error"
 
 
 class Action(StrEnum):
@@ -124,6 +91,8 @@ class Verdict:
     reconcile: bool = False
     #: a duplicate absorbed without running the handler
     duplicate: bool = False
+    #: for a dead letter: the error text behind ``reason`` (goes into the dead-letter headers)
+    error: str | None = None
 
     @property
     def result(self) -> Any:
@@ -184,6 +153,12 @@ class IdempotentConsumer:
                 "local_writes belongs to two-phase mode (transactional handlers write on conn)"
             )
         store.check(scope, "probe")  # a missing or bad scope fails at decoration time
+        if not _is_async(handler):
+            raise TypeError(
+                f"{getattr(handler, '__name__', handler)!r} is not an async function: "
+                "idempotent handlers must be `async def` (their work runs inside the event "
+                "loop's transaction)"
+            )
         self.handler = handler
         self.store = store
         self.scope = scope
@@ -198,7 +173,9 @@ class IdempotentConsumer:
         self.retention = retention
         self.on_invalid_key = on_invalid_key
         self.backoff_base, self.backoff_max = backoff
+        self._retry_backoff = Backoff(self.backoff_base, self.backoff_max)
         self._store_failures = 0
+        self._outage_since: float | None = None
         self.__name__ = getattr(handler, "__name__", "idempotent_consumer")
         self.__doc__ = handler.__doc__
 
@@ -212,7 +189,23 @@ class IdempotentConsumer:
     # --- per message ---------------------------------------------------------------------------
 
     def _backoff(self, attempt: int) -> float:
-        return float(min(self.backoff_max, self.backoff_base * 2 ** max(0, attempt - 1)))
+        """Before retrying a handler failure: exponential in its attempt count, jittered."""
+        return self._retry_backoff.delay(attempt)
+
+    def _outage_backoff(self) -> float:
+        """Before retrying after the store was unavailable: as long as the outage has lasted
+        (at least ``base``, at most the cap), half of it jittered. By duration, not by count:
+        the many deliveries in flight when one connection blip hits must not push each other's
+        waits to the cap."""
+        now = time.monotonic()
+        if self._outage_since is None:
+            self._outage_since = now
+        ceiling = min(self.backoff_max, max(self.backoff_base, now - self._outage_since))
+        return random.uniform(ceiling / 2, ceiling)
+
+    def _store_up(self) -> None:
+        self._store_failures = 0
+        self._outage_since = None
 
     def prepare(self, message: ConsumerMessage) -> tuple[str, str] | Verdict:
         """Key and fingerprint of a message, or the dead-letter verdict explaining why not."""
@@ -255,9 +248,18 @@ class IdempotentConsumer:
         if kind is OutcomeKind.MISUSE:
             log.warning("key reused with another payload", extra={"scope": scope, "key": key})
             return Verdict(Action.DEAD_LETTER, scope, key, outcome, reason="key_misuse")
-        if kind is OutcomeKind.FAILED_RETRYABLE and isinstance(outcome.error, PoisonMessage):
-            log.warning("poison message: %s", outcome.error, extra={"scope": scope, "key": key})
-            return Verdict(Action.DEAD_LETTER, scope, key, outcome, reason=outcome.error.reason)
+        if kind is OutcomeKind.FAILED_RETRYABLE and isinstance(outcome.error, _DETERMINISTIC):
+            # running it again gives the same failure: dead-letter now, with the cause
+            error = outcome.error
+            log.warning(
+                "%s: %s",
+                "poison message" if isinstance(error, PoisonMessage) else error.reason,
+                error,
+                extra={"scope": scope, "key": key},
+            )
+            return Verdict(
+                Action.DEAD_LETTER, scope, key, outcome, reason=error.reason, error=_text(error)
+            )
         if kind is OutcomeKind.FAILED_RETRYABLE:
             if outcome.attempts >= self.max_attempts:
                 log.warning(
@@ -267,7 +269,12 @@ class IdempotentConsumer:
                     extra={"scope": scope, "key": key},
                 )
                 return Verdict(
-                    Action.DEAD_LETTER, scope, key, outcome, reason="max_attempts_exceeded"
+                    Action.DEAD_LETTER,
+                    scope,
+                    key,
+                    outcome,
+                    reason="max_attempts_exceeded",
+                    error=_text(outcome.error) if outcome.error else None,
                 )
             return Verdict(
                 Action.RETRY,
@@ -283,6 +290,14 @@ class IdempotentConsumer:
             return Verdict(Action.ACK, scope, key, outcome, reason="unknown", reconcile=True)
         return Verdict(Action.ACK, scope, key, outcome, reason="unknown", duplicate=True)
 
+    def _store_rejected(self, exc: StoreRejected, key: str | None) -> Verdict:
+        log.error(
+            "store rejected the delivery's data, dead-lettering: %s",
+            exc,
+            extra={"scope": self.scope, "key": key},
+        )
+        return Verdict(Action.DEAD_LETTER, self.scope, key, reason=exc.reason, error=_text(exc))
+
     def _store_down(self, exc: StoreUnavailable, key: str | None) -> Verdict:
         self._store_failures += 1
         log.warning(
@@ -293,7 +308,7 @@ class IdempotentConsumer:
             self.scope,
             key,
             reason="store_unavailable",
-            retry_after=self._backoff(self._store_failures),
+            retry_after=self._outage_backoff(),
         )
 
     async def process(
@@ -349,7 +364,9 @@ class IdempotentConsumer:
                 )
         except StoreUnavailable as exc:
             return self._store_down(exc, key)
-        self._store_failures = 0
+        except StoreRejected as exc:
+            return self._store_rejected(exc, key)
+        self._store_up()
         return self.verdict(outcome)
 
     # --- many messages -------------------------------------------------------------------------
@@ -374,7 +391,8 @@ class IdempotentConsumer:
                 exc,
                 extra={"scope": self.scope},
             )
-            return await self._one_by_one(messages)
+            # fresh copies: the rolled-back attempt may have changed the decoded bodies in place
+            return await self._one_by_one([message.fresh() for message in messages])
 
     async def _one_by_one(self, messages: Sequence[ConsumerMessage]) -> list[Verdict]:
         verdicts: list[Verdict] = []
@@ -389,7 +407,8 @@ class IdempotentConsumer:
             async with self.store.connection() as conn:
                 for message in messages:
                     verdicts.append(await self.process(message, conn))
-                    if verdicts[-1].action is Action.RETRY:
+                    # a dead connection fails every later message too: hand the rest back
+                    if verdicts[-1].action is Action.RETRY or conn.is_closed():
                         break
         except StoreUnavailable as exc:
             verdicts.append(self._store_down(exc, None))
@@ -414,9 +433,11 @@ class IdempotentConsumer:
         key_at = {i: key for key, (i, _) in first_seen.items()}
         run: list[int] = []
         tokens: dict[int, Any] = {}
+        cut: int | None = None  # a member that must wait: nothing after it may run first
         async with self.store.connection() as conn:
             try:
-                await conn.execute("BEGIN")
+                mark = new_mark()  # checked by the COMMIT: the handler must not end this
+                await conn.execute(f"BEGIN; {mark_sql(mark)}")
                 keys = list(first_seen)
                 claimed = await self.store.claim_many(
                     conn, self.scope, keys, [first_seen[k][1] for k in keys], self.retention
@@ -431,38 +452,28 @@ class IdempotentConsumer:
                     if decision.kind is DecisionKind.EXECUTE:
                         run.append(i)
                         tokens[i] = decision.token
-                    else:
-                        verdicts[i] = self.verdict(outcome_of(decision))
-                run.sort()
-                results = list(await self.handler([messages[i] for i in run], conn) or [])
-                if results and len(results) != len(run):
-                    raise ValueError(
-                        f"batch handler returned {len(results)} results for {len(run)}"
-                    )
-                results += [None] * (len(run) - len(results))
-                encoded = [encode_result(r) for r in results]
-                store_keys: list[str] = []
-                store_values: list[str] = []
-                for i, result, enc in zip(run, results, encoded, strict=True):
-                    key = key_at[i]
-                    if i in tokens:
-                        await self.store.complete(
-                            self.scope,
-                            key,
-                            tokens[i],
-                            result,
-                            retention=self.retention,
-                            conn=conn,
-                        )
-                    elif enc is not None:
-                        store_keys.append(key)
-                        store_values.append(enc)
-                await self.store.store_results(conn, self.scope, store_keys, store_values)
-                await conn.execute("COMMIT")
+                        continue
+                    decided = verdicts[i] = self.verdict(outcome_of(decision))
+                    if decided.action is Action.RETRY and (cut is None or i < cut):
+                        cut = i
+                if cut is not None:
+                    # Partition order: the members after a key held elsewhere must not commit
+                    # before it. Undo these claims; run only the members before it.
+                    await rollback(conn)
             except BaseException:
-                await _rollback(conn)
+                await rollback(conn)
                 raise
-        self._store_failures = 0
+            if cut is None:
+                try:
+                    results = await self._run_claimed(conn, messages, run, tokens, key_at, mark)
+                except _EndedByHandler:
+                    return await self._park_ended(conn, messages, run, key_at, first_seen)
+        if cut is not None:
+            head = await self._as_one_transaction(messages[:cut]) if cut else []
+            waiting = verdicts[cut]
+            assert waiting is not None
+            return head if len(head) < cut else [*head, waiting]
+        self._store_up()
         for i, result in zip(run, results, strict=True):
             key = key_at[i]
             outcome = Outcome(
@@ -498,8 +509,116 @@ class IdempotentConsumer:
                 break
         return done
 
+    async def _park_ended(
+        self,
+        conn: asyncpg.Connection,
+        messages: Sequence[ConsumerMessage],
+        run: list[int],
+        key_at: dict[int, str],
+        first_seen: dict[str, tuple[int, str]],
+    ) -> list[Verdict]:
+        """The batch handler ended the transaction itself: whatever it wrote may be durable
+        without the records that guard it, so no member of the run may run again. Each is
+        parked as ``unknown`` (with a notice), unless its claim was committed by the handler's
+        own COMMIT (then it is done). The other members are left to the next delivery."""
+        log.error(
+            "the batch handler ended the idempotency transaction itself (COMMIT or ROLLBACK): "
+            "parking its %d members as unknown; never end it in a handler",
+            len(run),
+            extra={"scope": self.scope},
+        )
+        parked: dict[int, Verdict] = {}
+        for i in run:  # every member first: none of them may run again
+            key = key_at[i]
+            record = await self.store.record_failure(
+                self.scope,
+                key,
+                first_seen[key][1],
+                "unknown",
+                "the batch handler ended the idempotency transaction itself",
+                retention=self.retention,
+                conn=conn,
+            )
+            if record is not None:
+                outcome = Outcome(
+                    OutcomeKind.UNKNOWN, self.scope, key, record=record, parked_now=True
+                )
+                parked[i] = self.verdict(outcome)
+        verdicts: list[Verdict] = []
+        for i, message in enumerate(messages):  # the prefix that can be settled now
+            if i in parked:
+                verdicts.append(parked[i])
+            elif i in run:  # committed by the handler's COMMIT, or held by someone else
+                verdicts.append(await self.process(message.fresh(), conn))
+            else:
+                break  # not claimed here: its redelivery decides
+            if verdicts[-1].action is Action.RETRY:
+                break
+        return verdicts
+
+    async def _run_claimed(
+        self,
+        conn: asyncpg.Connection,
+        messages: Sequence[ConsumerMessage],
+        run: list[int],
+        tokens: dict[int, Any],
+        key_at: dict[int, str],
+        mark: str,
+    ) -> list[Any]:
+        """Batch mode, inside the open transaction: the handler over the claimed members, their
+        results, then a checked COMMIT. Rolls back and raises on any failure."""
+        try:
+            if not run:  # every member was decided by its record: nothing to hand the handler
+                await commit(conn)
+                return []
+            results = list(await self.handler([messages[i] for i in run], conn) or [])
+            if not conn.is_closed() and not conn.is_in_transaction():
+                raise _EndedByHandler  # COMMIT or ROLLBACK sent by the handler itself
+            if results and len(results) != len(run):
+                raise ValueError(f"batch handler returned {len(results)} results for {len(run)}")
+            results += [None] * (len(run) - len(results))
+            encoded = [encode_result(r) for r in results]
+            store_keys: list[str] = []
+            store_values: list[str] = []
+            for i, result, enc in zip(run, results, encoded, strict=True):
+                key = key_at[i]
+                if i in tokens:
+                    await self.store.complete(
+                        self.scope, key, tokens[i], result, retention=self.retention, conn=conn
+                    )
+                elif enc is not None:
+                    store_keys.append(key)
+                    store_values.append(enc)
+            await self.store.store_results(conn, self.scope, store_keys, store_values)
+            # still our transaction (the handler did not end and restart it), then COMMIT,
+            # whose answer is checked: an aborted transaction answers ROLLBACK, not done
+            await execute_and_commit(conn, check_sql(mark))
+        except BaseException:
+            await rollback(conn)
+            raise
+        return results
+
     async def __call__(self, message: ConsumerMessage) -> Verdict:
         return await self.process(message)
+
+
+class _EndedByHandler(Exception):
+    """The batch handler sent COMMIT or ROLLBACK on the batch's connection itself."""
+
+
+#: failures that running the handler again would only repeat: dead-lettered at once
+_DETERMINISTIC = (PoisonMessage, UnstorableResult)
+
+
+def _text(exc: BaseException) -> str:
+    """An error as the dead-letter headers carry it."""
+    return f"{type(exc).__name__}: {exc}"[:1000]
+
+
+def _is_async(handler: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+        getattr(handler, "__call__", None)  # noqa: B004 - an object with an async __call__
+    )
 
 
 def idempotent_consumer(

@@ -1,4 +1,24 @@
-"""Every exception the library raises or asks handlers to raise, in one place."""
+"""The library's exceptions. Every one it raises sits under :class:`ConsumerIdemError`::
+
+ConsumerIdemError
+├── ConfigurationError            set up so it could not keep its promise (at start-up)
+│   ├── http: ConfigurationError  (the same class, re-exported there)
+│   ├── webhooks.WebhookSecretError
+│   └── faststream.IdempotencyConfigError
+├── InvalidKey (ValueError)       a key or scope the store will not hold
+├── StoreUnavailable              an outage: wait, never proceed unprotected
+├── SchemaMissing                 run `consumer-idem migrate`
+├── StoreRejected                 the database refuses the data: dead-letter, do not wait
+├── CommitRolledBack              COMMIT answered ROLLBACK: a handler failure
+├── UnstorableResult (TypeError)  a result that cannot be stored as JSON
+├── LeaseLost                     fenced out: the record is no longer this owner's
+├── KeyInFlight                   another transaction is claiming the key right now
+├── NotUnknown                    resolve() of a record that is not unknown
+├── settle.PublishRefused         a broker refused a publish for good
+├── http.StreamCutShort           a streamed response ended before it was settled
+└── raised by handlers to classify their outcome:
+    Retryable, Ambiguous, DomainError, PoisonMessage
+"""
 
 from __future__ import annotations
 
@@ -7,6 +27,12 @@ from typing import Any
 
 class ConsumerIdemError(Exception):
     """Base class of the library's own errors."""
+
+
+class ConfigurationError(ConsumerIdemError, ValueError):
+    """The library was set up in a way that would not keep its promise (an HTTP middleware that
+    cannot see the app's routes, a FastStream subscriber that auto-commits, an empty webhook
+    secret). Raised at start-up, not at the first message or request."""
 
 
 class InvalidKey(ConsumerIdemError, ValueError):
@@ -81,3 +107,33 @@ class PoisonMessage(ConsumerIdemError):
     def __init__(self, reason: str, message: str = "") -> None:
         super().__init__(message or reason)
         self.reason = reason
+
+
+# --- deterministic failures: never retried as outages --------------------------------------------
+
+
+class CommitRolledBack(ConsumerIdemError):
+    """Postgres answered ``COMMIT`` with ``ROLLBACK``: the transaction had been aborted (a handler
+    caught a database error without a savepoint and went on). Nothing of it is in the database;
+    it is a handler failure, never an acked or cached success."""
+
+
+class UnstorableResult(ConsumerIdemError, TypeError):
+    """A handler's result cannot be stored as JSON (not serialisable, NaN, a lone surrogate that
+    PostgreSQL rejects). Deterministic: running the handler again gives the same result, so the
+    delivery is dead-lettered with reason ``unstorable_result`` instead of being retried."""
+
+    reason = "unstorable_result"
+
+
+class SchemaMissing(ConsumerIdemError):
+    """The store's schema is missing or older than this library: run ``consumer-idem migrate``.
+    A configuration error, not an outage: nothing is retried."""
+
+
+class StoreRejected(ConsumerIdemError):
+    """The store is up but refused the operation for a reason that retrying cannot fix (data
+    PostgreSQL will not accept, a constraint of ours violated). Unlike :class:`StoreUnavailable`
+    it is not waited out: the delivery is dead-lettered with reason ``store_rejected``."""
+
+    reason = "store_rejected"

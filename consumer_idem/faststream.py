@@ -28,10 +28,22 @@ For each delivery the middleware, wrapped around FastStream's handler call:
    (never "commit everything"), an AMQP ack. Dead letters and reconciliation notices are
    published through the broker, and confirmed, before the delivery is settled.
 
+Settling goes through the one settle path of every transport (``consumer_idem.settle``):
+publish durably, then ack; never ack a retry or an unconfirmed publish.
+
 A delivery that cannot be settled yet (in progress elsewhere, a retryable failure, the store
 down, the result publish failed after the commit) is delivered again after a backoff: on Kafka
-the consumer seeks back to it (which holds back the subscriber, keeping partition order), on
-RabbitMQ it is ``nack(requeue=True)``-ed.
+the consumer seeks back to it (which holds back the subscriber, keeping partition order). On
+RabbitMQ, waiting (store down, key in progress elsewhere) happens in hand, re-processing the
+delivery, for up to ``max_hold`` seconds, and is then handed back as a copy at the tail of the
+queue: neither spends the quorum queue's delivery budget. A handler failure worth retrying is
+``nack(requeue=True)``-ed, which does.
+
+Kafka subscribers must keep the records of one partition in order: a subscriber with
+``max_workers > 1`` that runs records of one partition side by side (FastStream's concurrent
+subscriber with automatic commits, or any FastStream before 0.5.34) is refused with
+:class:`IdempotencyConfigError`; FastStream's ``max_workers`` with ``AckPolicy.MANUAL`` (one
+consumer per worker, each partition on one of them) is accepted.
 """
 
 from __future__ import annotations
@@ -52,21 +64,19 @@ from faststream import BaseMiddleware, Context, Response, StreamMessage
 from faststream.exceptions import AckMessage, NackMessage, RejectMessage
 from faststream.message import AckStatus
 
+from consumer_idem import settle
 from consumer_idem.consumer import (
     DEFAULT_KEY,
     Action,
     IdempotentConsumer,
-    RunnerStats,
     Verdict,
-    notice_published,
-    publish_until_sent,
-    reconcile_notice,
 )
-from consumer_idem.errors import ConsumerIdemError, PoisonMessage
+from consumer_idem.errors import ConfigurationError, PoisonMessage
 from consumer_idem.execution import Attempt, LocalWrites
 from consumer_idem.key_strategies import KeyStrategy
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import KEY_HEADER, SCOPE_HEADER, Notice
+from consumer_idem.settle import RunnerStats
 from consumer_idem.store import PostgresStore
 from consumer_idem.types import OutcomeKind, ResultKind
 
@@ -99,7 +109,7 @@ IdempotentAttempt = Annotated[Attempt, Context(f"{CONTEXT_NAME}.attempt")]
 CurrentIdempotency = Annotated[IdempotencyContext, Context(CONTEXT_NAME)]
 
 
-class IdempotencyConfigError(ConsumerIdemError):
+class IdempotencyConfigError(ConfigurationError):
     """The subscriber is configured in a way that cannot be made idempotent."""
 
 
@@ -178,16 +188,40 @@ def _published_form(stored: Any) -> Any:
 
 
 class _Transport(Protocol):
+    """What differs between the brokers; :class:`_Settler` turns it into the settle path's
+    transport."""
+
+    #: waits happen in hand (RabbitMQ: a hand-back would spend the delivery budget)
+    holds_waits: bool
+
     def incoming(self, message: StreamMessage[Any]) -> ConsumerMessage: ...
 
+    def check(self, subscriber: Any) -> None: ...
+
     def source(self, message: StreamMessage[Any], subscriber: Any) -> str: ...
+
+    def properties(self, incoming: ConsumerMessage) -> dict[str, Any] | None:
+        """The broker properties a notice carries for a re-dispatch (AMQP's; None for Kafka,
+        whose record key and coordinates are in ``incoming``)."""
+        ...
+
+    def permanent(self, exc: BaseException) -> bool: ...
 
     async def ack(self, message: StreamMessage[Any]) -> None: ...
 
     async def retry(self, message: StreamMessage[Any]) -> None: ...
 
+    async def requeue(self, message: StreamMessage[Any], source: str) -> None:
+        """Publish a copy of ``message`` at the tail of ``source`` (waits held too long)."""
+        ...
+
     async def dead_letter(
-        self, message: StreamMessage[Any], verdict: Verdict, source: str, to: str
+        self,
+        message: StreamMessage[Any],
+        verdict: Verdict,
+        source: str,
+        to: str,
+        body_dropped: bool = False,
     ) -> None: ...
 
     async def notice(self, scope: str, key: str, body: bytes) -> None: ...
@@ -196,6 +230,8 @@ class _Transport(Protocol):
 
 
 class _Kafka:
+    holds_waits = False  # a seek back costs nothing; holding would exceed max.poll.interval
+
     def __init__(self, idem: Idempotency, broker: Any) -> None:
         from aiokafka import AIOKafkaConsumer, TopicPartition
         from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
@@ -226,8 +262,30 @@ class _Kafka:
             raise IdempotencyConfigError("a Kafka Idempotency middleware got a non-Kafka message")
         return to_message(record)
 
+    def check(self, subscriber: Any) -> None:
+        # FastStream's max_workers with manual commits runs one consumer per worker (each
+        # partition in order on one of them: it has ``consumer_subgroup``); any other
+        # concurrency runs records of one partition side by side, and committing offset + 1 of
+        # a finished record would commit past an earlier one still running.
+        workers = getattr(subscriber, "max_workers", 1) or 1
+        if workers > 1 and not hasattr(subscriber, "consumer_subgroup"):
+            raise IdempotencyConfigError(
+                f"this Kafka subscriber runs max_workers={workers} records of one partition "
+                "at once, so a commit could pass a record still running: use max_workers=1, "
+                "or FastStream >= 0.5.34 with ack_policy=AckPolicy.MANUAL (concurrent between "
+                "partitions only)"
+            )
+
     def source(self, message: StreamMessage[Any], subscriber: Any) -> str:
         return str(message.raw_message.topic)
+
+    def properties(self, incoming: ConsumerMessage) -> dict[str, Any] | None:
+        return None
+
+    def permanent(self, exc: BaseException) -> bool:
+        from consumer_idem.kafka import PERMANENT_ERRORS
+
+        return isinstance(exc, PERMANENT_ERRORS)
 
     async def ack(self, message: StreamMessage[Any]) -> None:
         record = message.raw_message
@@ -255,17 +313,25 @@ class _Kafka:
     async def retry(self, message: StreamMessage[Any]) -> None:
         await message.nack()  # seeks back to this record: it is the next one fetched
 
+    async def requeue(self, message: StreamMessage[Any], source: str) -> None:
+        raise NotImplementedError("Kafka does not hold waits: a seek back costs nothing")
+
     async def dead_letter(
-        self, message: StreamMessage[Any], verdict: Verdict, source: str, to: str
+        self,
+        message: StreamMessage[Any],
+        verdict: Verdict,
+        source: str,
+        to: str,
+        body_dropped: bool = False,
     ) -> None:
         from consumer_idem.kafka import dead_letter_headers
 
         record = message.raw_message
         await self._publish(
             to,
-            record.value,
+            b"" if body_dropped else record.value,
             record.key,
-            dead_letter_headers(record, verdict),
+            dead_letter_headers(record, verdict, body_dropped),
             message.correlation_id,
         )
 
@@ -278,9 +344,13 @@ class _Kafka:
         )
 
     async def redispatch(self, notice: Notice) -> None:
+        """The original as it was: record key, body, headers with its original coordinates
+        (the same as ``KafkaRunner``'s re-dispatch)."""
+        from consumer_idem.kafka import redispatch_headers
+
         assert notice.source is not None
         await self._publish(
-            notice.source, notice.body, notice.key.encode(), list(notice.headers.items())
+            notice.source, notice.body, notice.record_key, redispatch_headers(notice)
         )
 
     async def _publish(
@@ -299,6 +369,8 @@ class _Kafka:
 
 
 class _Rabbit:
+    holds_waits = True
+
     def __init__(self, idem: Idempotency, broker: Any) -> None:
         self.idem = idem
         self.broker = broker
@@ -312,10 +384,23 @@ class _Rabbit:
             raise IdempotencyConfigError("a RabbitMQ Idempotency middleware got a non-AMQP message")
         return to_message(raw)
 
+    def check(self, subscriber: Any) -> None:
+        """Deliveries are acked one by one: any concurrency is fine."""
+
     def source(self, message: StreamMessage[Any], subscriber: Any) -> str:
         queue = getattr(subscriber, "queue", None)
         name = getattr(queue, "name", None)
         return str(name or message.raw_message.routing_key)
+
+    def properties(self, incoming: ConsumerMessage) -> dict[str, Any] | None:
+        from consumer_idem.rabbit import amqp_properties
+
+        return None if incoming.raw is None else amqp_properties(incoming.raw)
+
+    def permanent(self, exc: BaseException) -> bool:
+        from consumer_idem.rabbit import permanent
+
+        return permanent(exc)
 
     async def ack(self, message: StreamMessage[Any]) -> None:
         await message.ack()
@@ -323,16 +408,38 @@ class _Rabbit:
     async def retry(self, message: StreamMessage[Any]) -> None:
         await message.nack(requeue=True)  # type: ignore[call-arg]
 
+    async def requeue(self, message: StreamMessage[Any], source: str) -> None:
+        """Publish a copy to hand the delivery back without spending its delivery budget: at
+        the tail of the queue, carrying the deliveries already spent (the caller then acks the
+        original)."""
+        from consumer_idem.rabbit import handed_back_copy, spent_deliveries
+
+        raw = message.raw_message
+        copy = handed_back_copy(raw, spent_deliveries(self.incoming(message)))
+        await self._send(
+            source,
+            copy.body,
+            dict(copy.headers),
+            message_id=copy.message_id,
+            correlation_id=copy.correlation_id,
+            content_type=copy.content_type,
+        )
+
     async def dead_letter(
-        self, message: StreamMessage[Any], verdict: Verdict, source: str, to: str
+        self,
+        message: StreamMessage[Any],
+        verdict: Verdict,
+        source: str,
+        to: str,
+        body_dropped: bool = False,
     ) -> None:
         from consumer_idem.rabbit import dead_letter_headers
 
         raw = message.raw_message
         await self._publish(
             to,
-            raw.body,
-            dead_letter_headers(raw, verdict, source),
+            b"" if body_dropped else raw.body,
+            dead_letter_headers(raw, verdict, source, body_dropped),
             message_id=raw.message_id,
             correlation_id=raw.correlation_id,
             content_type=raw.content_type,
@@ -347,10 +454,17 @@ class _Rabbit:
         )
 
     async def redispatch(self, notice: Notice) -> None:
-        from consumer_idem.rabbit import redispatch_headers
+        """The original as it was: body, headers and properties (``message_id``,
+        ``correlation_id``, ``content_type``, ``type``...; FastStream's publish has no
+        ``app_id``), as ``RabbitRunner`` re-dispatches it."""
+        from consumer_idem.rabbit import redispatch_headers, redispatch_properties
 
         assert notice.source is not None and notice.body is not None
-        await self._publish(notice.source, notice.body, redispatch_headers(notice))
+        properties = redispatch_properties(notice)
+        properties.pop("app_id", None)
+        if "type" in properties:
+            properties["message_type"] = properties.pop("type")
+        await self._publish(notice.source, notice.body, redispatch_headers(notice), **properties)
 
     async def _publish(
         self, queue: str, body: bytes, headers: dict[str, Any], **properties: Any
@@ -361,10 +475,19 @@ class _Rabbit:
             # the same declaration as RabbitRunner's: durable quorum queues
             await self.broker.declare_queue(RabbitQueue(queue, queue_type=QueueType.QUORUM))
             self._declared.add(queue)
-        # persistent, mandatory (an unroutable copy is an error), awaited publisher confirm
-        await self.broker.publish(
+        await self._send(queue, body, headers, **properties)
+
+    async def _send(
+        self, queue: str, body: bytes, headers: dict[str, Any], **properties: Any
+    ) -> None:
+        import aiormq
+
+        # persistent, mandatory, awaited publisher confirm (FastStream's default channel)
+        result = await self.broker.publish(
             body, queue, headers=headers, persist=True, mandatory=True, **properties
         )
+        if isinstance(result, aiormq.abc.DeliveredMessage):  # returned: no queue took it
+            raise aiormq.exceptions.PublishError(result, result.delivery)
 
 
 # --- the middleware ------------------------------------------------------------------------------
@@ -383,7 +506,9 @@ class Idempotency:
     * ``reconcile_destination``: topic or queue for notices of ``unknown`` outcomes;
     * ``max_deliveries`` (RabbitMQ quorum queues): a message redelivered this many times is
       dead-lettered without running (it keeps killing the consumer);
-    * ``declare`` (RabbitMQ): declare the dead-letter and notice queues (durable, quorum).
+    * ``declare`` (RabbitMQ): declare the dead-letter and notice queues (durable, quorum);
+    * ``max_hold`` (RabbitMQ): how long a delivery waiting for the store or for another owner
+      stays in hand before it is handed back as a copy (keep it under ``consumer_timeout``).
 
     It also serves as the transport of a :class:`~consumer_idem.reconcile.Sweeper` or
     :class:`~consumer_idem.reconcile.Reconciler` (``publish_notice``, ``redispatch``).
@@ -408,6 +533,7 @@ class Idempotency:
         reconcile_destination: str = DEFAULT_RECONCILE_DESTINATION,
         max_deliveries: int | None = 20,
         declare: bool = True,
+        max_hold: float | None = 600.0,
     ) -> None:
         self._store_source = store
         self._options: dict[str, Any] = {
@@ -433,6 +559,7 @@ class Idempotency:
         self.reconcile_destination = reconcile_destination
         self.max_deliveries = max_deliveries
         self.declare = declare
+        self.max_hold = max_hold
         self.stats = RunnerStats()
         self.transport = self._transport_for(broker)
 
@@ -507,34 +634,102 @@ class Idempotency:
                 raise PoisonMessage("invalid_payload", str(exc)[:500]) from exc
         return _store_form(result)
 
-    # --- publishing, also for Sweeper / Reconciler ---------------------------------------------
-
-    async def _until_sent(
-        self, send: Callable[[], Awaitable[Any]], destination: str, subscriber: Any = None
-    ) -> bool:
-        return await publish_until_sent(
-            send,
-            destination=destination,
-            # a subscriber shutting down stops retrying: its delivery stays unsettled
-            stopping=lambda: not getattr(subscriber, "running", True),
-        )
+    # --- publishing, also for Sweeper / Reconciler (consumer_idem.settle.Publisher) ----------
 
     async def publish_notice(
         self, scope: str, key: str, body: bytes, *, subscriber: Any = None
     ) -> bool:
         """Publish a reconciliation notice (confirmed) and record that it was published."""
-        destination = self.reconcile_destination
-        send = lambda: self.transport.notice(scope, key, body)  # noqa: E731
-        if not await self._until_sent(send, destination, subscriber):
-            return False
-        await notice_published(self.stats, self.store, scope, key)
-        return True
+        return await settle.publish_notice(_Settler(self, subscriber), scope, key, body, hold=False)
 
     async def redispatch(self, notice: Notice) -> bool:
         """Send the original message of a notice back to where it came from, to run once."""
-        if notice.source is None or notice.body is None:
-            return False
-        return await self._until_sent(lambda: self.transport.redispatch(notice), notice.source)
+        return await settle.redispatch(_Settler(self), notice)
+
+
+class _Settler:
+    """The settle path's transport (``consumer_idem.settle.Transport``) for one subscriber:
+    a subscriber that is shutting down stops retrying publishes."""
+
+    def __init__(
+        self,
+        idem: Idempotency,
+        subscriber: Any = None,
+        incoming: ConsumerMessage | None = None,
+        source: str = "",
+    ) -> None:
+        self.idem = idem
+        self.subscriber = subscriber
+        self.incoming = incoming
+        self.source = source
+        self.stats = idem.stats
+        self.transport = idem.transport
+
+    @property
+    def store(self) -> PostgresStore:
+        return self.idem.store
+
+    def stopping(self) -> bool:
+        return not getattr(self.subscriber, "running", True)
+
+    def permanent(self, exc: BaseException) -> bool:
+        return self.transport.permanent(exc)
+
+    async def ack(self, message: StreamMessage[Any]) -> None:
+        await self.transport.ack(message)
+
+    async def retry_later(self, message: StreamMessage[Any], verdict: Verdict) -> None:
+        # a wait held for max_hold already: hand it back without spending the delivery budget
+        if (
+            self.transport.holds_waits
+            and settle.is_wait(verdict)
+            and not self.stopping()
+            and await settle.publish_until_sent(
+                lambda: self.transport.requeue(message, self.source),
+                destination=self.source,
+                stopping=self.stopping,
+                permanent=self.permanent,
+            )
+        ):
+            await self.transport.ack(message)  # the copy is in the queue: drop the original
+            return
+        log.info("retrying in %.2fs (%s)", verdict.retry_after, verdict.reason)
+        await settle.pause(verdict.retry_after, self.stopping)
+        await self.give_back(message)
+
+    async def give_back(self, message: StreamMessage[Any]) -> None:
+        try:
+            await self.transport.retry(message)
+        except Exception as exc:  # e.g. the partition was revoked meanwhile: its next owner
+            log.warning("could not hand the delivery back: %r", exc)  # re-reads it anyway
+
+    def dead_letter_destination(self, message: StreamMessage[Any]) -> str:
+        return self.idem.dead_letter_destination(self.source)
+
+    def body_size(self, message: StreamMessage[Any]) -> int:
+        return len(self.incoming.body) if self.incoming is not None else 0
+
+    async def send_dead_letter(
+        self, message: StreamMessage[Any], verdict: Verdict, body_dropped: bool
+    ) -> None:
+        await self.transport.dead_letter(
+            message, verdict, self.source, self.dead_letter_destination(message), body_dropped
+        )
+
+    def notice_body(
+        self, message: StreamMessage[Any], verdict: Verdict, with_original: bool
+    ) -> bytes:
+        if not with_original or self.incoming is None:
+            return settle.notice_of(verdict)
+        return settle.notice_of(
+            verdict, self.incoming, self.source, self.transport.properties(self.incoming)
+        )
+
+    async def send_notice(self, scope: str, key: str, body: bytes) -> None:
+        await self.transport.notice(scope, key, body)
+
+    async def send_redispatch(self, notice: Notice) -> None:
+        await self.transport.redispatch(notice)
 
 
 @functools.cache  # once: it runs on every handler call
@@ -570,6 +765,8 @@ class _Middleware(BaseMiddleware):
         self, call_next: Callable[[StreamMessage[Any]], Awaitable[Any]], msg: StreamMessage[Any]
     ) -> Any:
         idem = self.idem
+        self.subscriber = self.context.get("handler_")
+        idem.transport.check(self.subscriber)
         if msg.committed is not None:
             raise IdempotencyConfigError(
                 "the delivery was acknowledged before the handler ran (AckPolicy.ACK_FIRST, "
@@ -577,21 +774,19 @@ class _Middleware(BaseMiddleware):
                 "ack_policy=AckPolicy.MANUAL"
             )
         self.message = msg
-        self.subscriber = self.context.get("handler_")
         incoming = self.incoming = idem.transport.incoming(msg)
         verdict = self._precheck(incoming)
         if verdict is None:
-            consumer = idem.consumer
-            prepared = consumer.prepare(incoming)
-            if isinstance(prepared, Verdict):
-                verdict = prepared
+            if idem.transport.holds_waits:
+                stopping = _Settler(idem, self.subscriber).stopping
+                verdict = await settle.process_holding(
+                    lambda: self._run(call_next, msg),
+                    stats=idem.stats,
+                    stopping=stopping,
+                    max_hold=idem.max_hold,
+                )
             else:
-                key, fingerprint = prepared
-                token = _CURRENT.set(_Call(call_next, msg, self.context, key))
-                try:
-                    verdict = await consumer.execute(incoming, key, fingerprint)
-                finally:
-                    _CURRENT.reset(token)
+                verdict = await self._run(call_next, msg)
         self.verdict = verdict
         outcome = verdict.outcome
         if (
@@ -606,9 +801,28 @@ class _Middleware(BaseMiddleware):
                 return published
         raise _Settled(verdict)
 
+    async def _run(
+        self, call_next: Callable[[StreamMessage[Any]], Awaitable[Any]], msg: StreamMessage[Any]
+    ) -> Verdict:
+        consumer = self.idem.consumer
+        # a fresh view per attempt: a handler that changed the parsed body in place must not
+        # hand its changes to the next attempt
+        incoming = self.idem.transport.incoming(msg)
+        prepared = consumer.prepare(incoming)
+        if isinstance(prepared, Verdict):
+            return prepared
+        key, fingerprint = prepared
+        token = _CURRENT.set(_Call(call_next, msg, self.context, key))
+        try:
+            return await consumer.execute(incoming, key, fingerprint)
+        finally:
+            _CURRENT.reset(token)
+
     def _precheck(self, incoming: ConsumerMessage) -> Verdict | None:
+        from consumer_idem.rabbit import spent_deliveries
+
         limit = self.idem.max_deliveries
-        count = incoming.delivery_count
+        count = spent_deliveries(incoming)
         if limit is not None and count is not None and count >= limit:
             return Verdict(Action.DEAD_LETTER, self.idem.scope, reason="max_deliveries")
         return None
@@ -622,58 +836,18 @@ class _Middleware(BaseMiddleware):
         message, verdict = self.message, self.verdict
         if message is None or isinstance(exc_val, IdempotencyConfigError | asyncio.CancelledError):
             return False  # never ours to settle (or shutting down: it is delivered again)
+        settler = self._settler(message)
         if verdict is None or (exc_val is not None and not isinstance(exc_val, _Settled)):
             # Failed before a verdict, or the result could not be published after the commit:
             # deliver it again; the redelivery replays the stored result and publishes it.
-            log.warning("delivery not settled, will be delivered again: %r", exc_val)
             self.idem.stats.retries += 1
-            await asyncio.sleep(self.idem.consumer.backoff_base)
-            await self._retry(message)
+            log.warning("delivery not settled, will be delivered again: %r", exc_val)
+            await settle.pause(self.idem.consumer.backoff_base, settler.stopping)
+            await settler.give_back(message)
             return False
-        await self._settle(message, verdict)
+        await settle.settle(settler, message, verdict)
         return exc_val is not None  # our own _Settled: swallowed
 
-    async def _settle(self, message: StreamMessage[Any], verdict: Verdict) -> None:
-        idem, stats, transport = self.idem, self.idem.stats, self.idem.transport
-        incoming = self.incoming
-        assert incoming is not None
-        if verdict.action is Action.RETRY:
-            stats.retries += 1
-            log.info("retrying in %.2fs (%s)", verdict.retry_after, verdict.reason)
-            await asyncio.sleep(verdict.retry_after)
-            await self._retry(message)
-            return
-        source = transport.source(message, self.subscriber)
-        if verdict.action is Action.DEAD_LETTER:
-            destination = idem.dead_letter_destination(source)
-            sent = await idem._until_sent(
-                lambda: transport.dead_letter(message, verdict, source, destination),
-                destination,
-                self.subscriber,
-            )
-            if sent:
-                stats.dead_lettered += 1
-                log.warning("dead-lettered to %s: %s", destination, verdict.reason)
-        elif verdict.reconcile:
-            assert verdict.key is not None
-            body = reconcile_notice(verdict, incoming, source=source)
-            sent = await idem.publish_notice(
-                verdict.scope, verdict.key, body, subscriber=self.subscriber
-            )
-        else:
-            sent = True
-            if verdict.duplicate:
-                stats.duplicates += 1
-            else:
-                stats.executed += 1
-        if not sent:  # stopping before the publish was confirmed: leave it to a redelivery
-            await self._retry(message)
-            return
-        await transport.ack(message)
-        stats.processed += 1
-
-    async def _retry(self, message: StreamMessage[Any]) -> None:
-        try:
-            await self.idem.transport.retry(message)
-        except Exception as exc:  # e.g. the partition was revoked meanwhile: its next owner
-            log.warning("could not hand the delivery back: %r", exc)  # re-reads it anyway
+    def _settler(self, message: StreamMessage[Any]) -> _Settler:
+        source = self.idem.transport.source(message, self.subscriber)
+        return _Settler(self.idem, self.subscriber, self.incoming, source)

@@ -3,6 +3,11 @@
 JSON payloads are canonicalised with RFC 8785 (JSON Canonicalization Scheme, via the ``rfc8785``
 package) and hashed with SHA-256; anything else is hashed as raw bytes. The value carries a
 version prefix so the scheme can evolve without turning old keys into false misuse reports.
+
+JSON nested deeper than :data:`MAX_DEPTH` has no canonical form here: it is hashed as its raw
+bytes. The limit is a fixed rule, not the interpreter's recursion limit, so the same payload
+gets the same fingerprint however deep the caller's stack is (a hostile ``[[[[...`` body is a
+fingerprint, never a ``RecursionError``).
 """
 
 from __future__ import annotations
@@ -15,17 +20,36 @@ from typing import Any
 import rfc8785
 
 VERSION = "v1"
+#: JSON nested deeper than this (arrays and objects) is fingerprinted as raw bytes
+MAX_DEPTH = 128
 
 
 def _digest(kind: str, data: bytes) -> str:
     return f"{VERSION}:{kind}:{hashlib.sha256(data).hexdigest()}"
 
 
+def _nested_deeper_than(value: Any, limit: int) -> bool:
+    """Does ``value`` nest lists/dicts more than ``limit`` levels deep? (No recursion.)"""
+    stack = [(value, 1)]
+    while stack:
+        current, depth = stack.pop()
+        children = current.values() if isinstance(current, Mapping) else current
+        if depth > limit:
+            return True
+        stack.extend(
+            (child, depth + 1) for child in children if isinstance(child, Mapping | list | tuple)
+        )
+    return False
+
+
 def canonical_json(value: Any) -> bytes:
-    """RFC 8785 canonical bytes of a JSON value (raises ``ValueError`` for non-JSON values)."""
+    """RFC 8785 canonical bytes of a JSON value (raises ``ValueError`` for non-JSON values and
+    for values nested deeper than :data:`MAX_DEPTH`)."""
+    if isinstance(value, Mapping | list | tuple) and _nested_deeper_than(value, MAX_DEPTH):
+        raise ValueError(f"value is nested deeper than {MAX_DEPTH} levels")
     try:
         return bytes(rfc8785.dumps(value))
-    except (rfc8785.CanonicalizationError, TypeError) as exc:
+    except (rfc8785.CanonicalizationError, TypeError, RecursionError) as exc:
         raise ValueError(f"value cannot be canonicalised as JSON: {exc}") from exc
 
 
@@ -51,11 +75,20 @@ def fingerprint_bytes(data: bytes) -> str:
     return _digest("raw", data)
 
 
+def parse_json(body: bytes) -> Any:
+    """``json.loads``, with every way it can refuse a body as ``ValueError``: not JSON, not
+    UTF-8, or nested so deep that the decoder runs out of stack (``RecursionError``)."""
+    try:
+        return json.loads(body)
+    except RecursionError as exc:
+        raise ValueError("JSON nested too deeply to decode") from exc
+
+
 def fingerprint_payload(body: bytes, fields: Iterable[str] | None = None) -> str:
     """JSON bodies are fingerprinted canonically (key order and spacing do not matter);
     anything that is not JSON, or JSON that RFC 8785 cannot canonicalise (an integer beyond
-    +-2**53, say), falls back to its raw bytes."""
+    +-2**53, nesting deeper than :data:`MAX_DEPTH`), falls back to its raw bytes."""
     try:
-        return fingerprint_json(json.loads(body), fields)
-    except (ValueError, UnicodeDecodeError):
+        return fingerprint_json(parse_json(body), fields)
+    except ValueError:  # UnicodeDecodeError is a ValueError
         return fingerprint_bytes(body)

@@ -10,7 +10,13 @@
 * Poison records go to a dead-letter topic (default ``<topic>.dlq``) with their original
   coordinates and the reason in headers, and never block their partition.
 * ``unknown`` outcomes publish a notice to the reconciliation topic before the offset moves.
-  Both publishes use ``acks="all"`` and an idempotent producer.
+  Both publishes use ``acks="all"`` and an idempotent producer, and go through the one settle
+  path (``consumer_idem.settle``): a publish the broker has not acknowledged holds the offset
+  back; one it refuses for good (``MessageSizeTooLargeError``...) goes without the body.
+* A worker that fails unexpectedly is logged with its traceback, counted in
+  ``stats.failures``, and restarted after a backoff from the partition's first unsettled
+  record (nothing after it was committed), so one bad partition neither stops the others nor
+  skips a record.
 """
 
 from __future__ import annotations
@@ -25,28 +31,58 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
-from aiokafka.errors import KafkaError
+from aiokafka.errors import (
+    ClusterAuthorizationFailedError,
+    InvalidTopicError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    PolicyViolationError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+    TopicAuthorizationFailedError,
+    UnsupportedForMessageFormatError,
+)
 
+from consumer_idem import settle
+from consumer_idem.backoff import Backoff
 from consumer_idem.consumer import (
+    DEAD_LETTER_ERROR,
     DEAD_LETTER_KEY,
     DEAD_LETTER_REASON,
     DEAD_LETTER_SCOPE,
     Action,
     Processor,
-    RunnerStats,
     Verdict,
-    notice_published,
-    publish_until_sent,
-    reconcile_notice,
 )
 from consumer_idem.key_strategies import ORIGINAL_OFFSET, ORIGINAL_PARTITION, ORIGINAL_TOPIC
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import KEY_HEADER, SCOPE_HEADER, Notice
 from consumer_idem.settings import load_settings
+from consumer_idem.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats, Settled
+from consumer_idem.store import PostgresStore
 
 log = logging.getLogger("consumer_idem.kafka")
 
 DEFAULT_RECONCILE_TOPIC = "consumer_idem.reconcile"
+
+#: publish errors that recur for the same record and topic: retrying them would block the
+#: partition for ever (anything else from the broker is treated as transient)
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
+    MessageSizeTooLargeError,
+    RecordTooLargeError,
+    RecordListTooLargeError,
+    InvalidTopicError,
+    TopicAuthorizationFailedError,
+    ClusterAuthorizationFailedError,
+    UnsupportedForMessageFormatError,
+    PolicyViolationError,
+    # the client's own checks of what it is given (header types...): the same next time
+    AssertionError,
+    TypeError,
+    ValueError,
+)
+#: how long a partition whose worker failed waits before it is restarted
+RESTART_BACKOFF = Backoff(1.0, 60.0)
 
 
 def to_message(record: ConsumerRecord[bytes, bytes]) -> ConsumerMessage:
@@ -63,11 +99,18 @@ def to_message(record: ConsumerRecord[bytes, bytes]) -> ConsumerMessage:
 
 
 def dead_letter_headers(
-    record: ConsumerRecord[bytes, bytes], verdict: Verdict
+    record: ConsumerRecord[bytes, bytes], verdict: Verdict, body_dropped: bool = False
 ) -> list[tuple[str, bytes]]:
     """The record's own headers, its original coordinates (kept from the first dead-lettering
-    when the record is already a copy) and why it is dead-lettered."""
-    ours = {DEAD_LETTER_REASON, DEAD_LETTER_SCOPE, DEAD_LETTER_KEY}
+    when the record is already a copy), why it is dead-lettered (reason, error text) and, for a
+    copy without its body, the size of the body that was dropped."""
+    ours = {
+        DEAD_LETTER_REASON,
+        DEAD_LETTER_SCOPE,
+        DEAD_LETTER_KEY,
+        DEAD_LETTER_ERROR,
+        DEAD_LETTER_BODY_DROPPED,
+    }
     headers = [(k, v or b"") for k, v in (record.headers or ()) if k not in ours]
     if not any(k == ORIGINAL_TOPIC for k, _ in headers):
         headers += [
@@ -81,7 +124,19 @@ def dead_letter_headers(
     ]
     if verdict.key is not None:
         headers.append((DEAD_LETTER_KEY, verdict.key.encode()))
+    error = settle.error_header(verdict)
+    if error is not None:
+        headers.append((DEAD_LETTER_ERROR, error.encode("utf-8", "backslashreplace")))
+    if body_dropped:
+        headers.append((DEAD_LETTER_BODY_DROPPED, str(len(record.value or b"")).encode()))
     return headers
+
+
+def redispatch_headers(notice: Notice) -> list[tuple[str, bytes]]:
+    """The headers of a re-dispatched original: its own, including the ``x-original-*``
+    coordinates the notice added (so ``kafka_coordinates()`` gives the copy the original's
+    key)."""
+    return list(notice.headers.items())
 
 
 @dataclass
@@ -94,6 +149,13 @@ class _Partition:
     done: int | None = None  #: next offset to commit: last settled offset + 1
     committed: int | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    failures: int = 0  #: consecutive worker failures (restart backoff)
+
+
+@dataclass(frozen=True, slots=True)
+class _Delivery:
+    part: _Partition
+    record: ConsumerRecord[bytes, bytes]
 
 
 class KafkaRunner:
@@ -153,6 +215,7 @@ class KafkaRunner:
     # --- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        await settle.check_store(self.consumer.store)
         await self._producer.start()
         try:
             self._kafka.subscribe(self.topics, listener=_Listener(self))
@@ -188,7 +251,8 @@ class KafkaRunner:
                         await fetch
                     break
                 self._dispatch(fetch.result())
-                self._raise_worker_failures()
+                for part in list(self._parts.values()):
+                    self._reap(part)
         finally:
             await self.stop()
 
@@ -202,6 +266,7 @@ class KafkaRunner:
             part.wake.set()
         await self._drain(parts)
         for part in parts:
+            self._reap(part)
             await self._commit(part)
         with contextlib.suppress(Exception):
             await self._kafka.stop()
@@ -220,112 +285,159 @@ class KafkaRunner:
             if len(part.pending) >= 2 * self.max_records and not part.paused:
                 self._kafka.pause(tp)  # backpressure: stop fetching what we cannot keep up with
                 part.paused = True
-            if part.task is None or part.task.done():
+            self._reap(part)  # a dead worker is looked at before anything replaces it
+            if part.task is None:
                 part.task = asyncio.create_task(self._work(part), name=f"consumer-idem {tp}")
 
-    def _raise_worker_failures(self) -> None:
-        for part in self._parts.values():
-            if part.task is not None and part.task.done() and not part.task.cancelled():
-                exc = part.task.exception()
-                if exc is not None:
-                    raise exc
+    def _reap(self, part: _Partition) -> None:
+        """Look at a finished worker. One that failed is logged with its traceback and
+        restarted (after a backoff, in ``_work``) from the partition's first unsettled record:
+        records are only removed from ``pending`` once settled, and nothing after the first
+        unsettled one is ever committed, so no record is skipped or committed unrun."""
+        task = part.task
+        if task is None or not task.done():
+            return
+        part.task = None
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        self.stats.failures += 1
+        part.failures += 1
+        head = part.pending[0].offset if part.pending else None
+        log.error(
+            "worker of %s failed; restarting it at offset %s (nothing after it is committed)",
+            part.tp,
+            head,
+            exc_info=exc,
+        )
+        if part.pending and not part.revoked and not self._stopping:
+            part.task = asyncio.create_task(self._work(part), name=f"consumer-idem {part.tp}")
 
     async def _work(self, part: _Partition) -> None:
+        if part.failures:  # restarted after a failure: back off first (without holding a slot)
+            await settle.pause(
+                RESTART_BACKOFF.delay(part.failures), lambda: part.revoked or self._stopping
+            )
         async with self._slots:
             while part.pending and not part.revoked and not self._stopping:
                 chunk = [part.pending[i] for i in range(min(self.chunk, len(part.pending)))]
                 verdicts = await self.consumer.process_batch([to_message(r) for r in chunk])
-                settled = 0
-                retry: Verdict | None = None
+                retry: _Delivery | None = None
+                wait: Verdict | None = None
+                unsettled = False
                 for record, verdict in zip(chunk, verdicts, strict=False):
-                    if verdict.action is Action.RETRY:
-                        retry = verdict
+                    if verdict.action is Action.RETRY:  # it and all after it wait (order)
+                        retry, wait = _Delivery(part, record), verdict
                         break
-                    if not await self._settle(record, verdict):
-                        break  # stopping while a publish could not be made: do not move on
-                    settled += 1
-                    part.done = record.offset + 1
-                for _ in range(settled):
-                    part.pending.popleft()
+                    outcome = await settle.settle(self, _Delivery(part, record), verdict)
+                    if outcome is Settled.RETRY:  # not acked (its original could not be kept):
+                        break  # processed again from this record, after the wait it took
+                    if outcome is not Settled.ACKED:
+                        unsettled = True  # stopping before its publish was confirmed
+                        break
                 await self._commit(part)
                 if part.paused and len(part.pending) < self.max_records and not part.revoked:
                     with contextlib.suppress(Exception):
                         self._kafka.resume(part.tp)
                     part.paused = False
-                if retry is not None:
-                    self.stats.retries += 1
-                    log.info(
-                        "retrying %s@%s in %.2fs (%s)",
-                        part.tp,
-                        chunk[settled].offset,
-                        retry.retry_after,
-                        retry.reason,
-                    )
-                    part.wake.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(part.wake.wait(), timeout=retry.retry_after)
+                if unsettled:
+                    return
+                if retry is not None and wait is not None:
+                    await settle.settle(self, retry, wait)
 
-    async def _settle(self, record: ConsumerRecord[bytes, bytes], verdict: Verdict) -> bool:
-        """Carry out a final verdict: publish what must be published, durably, before the offset
-        may move. Returns False only when stopping interrupted an unfinished publish."""
-        if verdict.action is Action.DEAD_LETTER:
-            topic = self._dead_letter_topic(record.topic)
-            headers = dead_letter_headers(record, verdict)
-            ok = await self._publish(topic, record.value, record.key, headers)
-            if ok:
-                self.stats.dead_lettered += 1
-                log.warning(
-                    "dead-lettered %s/%s@%s to %s: %s",
-                    record.topic,
-                    record.partition,
-                    record.offset,
-                    topic,
-                    verdict.reason,
-                )
-        elif verdict.reconcile:
-            assert verdict.key is not None
-            body = reconcile_notice(verdict, to_message(record), source=record.topic)
-            ok = await self.publish_notice(verdict.scope, verdict.key, body)
-        else:
-            ok = True
-            if verdict.duplicate:
-                self.stats.duplicates += 1
-            else:
-                self.stats.executed += 1
-        if ok:
-            self.stats.processed += 1
-        return ok
+    # --- the settle-path transport (consumer_idem.settle.Transport) ----------------------------
 
-    async def publish_notice(self, scope: str, key: str, body: bytes) -> bool:
-        """Publish a reconciliation notice (``acks=all``) and record that it was published.
-        Also used by the sweeper for notices that were never sent."""
-        ok = await self._publish(
+    @property
+    def store(self) -> PostgresStore:
+        return self.consumer.store
+
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def permanent(self, exc: BaseException) -> bool:
+        return isinstance(exc, PERMANENT_ERRORS)
+
+    async def ack(self, delivery: _Delivery) -> None:
+        """The offset may be committed now; the worker commits the contiguous prefix."""
+        part, record = delivery.part, delivery.record
+        assert part.pending and part.pending[0] is record, "settled out of order"
+        part.pending.popleft()
+        part.done = record.offset + 1
+        part.failures = 0
+
+    async def retry_later(self, delivery: _Delivery, verdict: Verdict) -> None:
+        """Not committed: the partition waits (its later records too, to keep the order) and
+        the worker processes the record again."""
+        part = delivery.part
+        log.info(
+            "retrying %s@%s in %.2fs (%s)",
+            part.tp,
+            delivery.record.offset,
+            verdict.retry_after,
+            verdict.reason,
+        )
+        part.wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(part.wake.wait(), timeout=verdict.retry_after)
+
+    async def give_back(self, delivery: _Delivery) -> None:
+        """Nothing to do: the offset did not move; the record is read again after a restart."""
+
+    def dead_letter_destination(self, delivery: _Delivery) -> str:
+        return self._dead_letter_topic(delivery.record.topic)
+
+    def body_size(self, delivery: _Delivery) -> int:
+        return len(delivery.record.value or b"")
+
+    async def send_dead_letter(
+        self, delivery: _Delivery, verdict: Verdict, body_dropped: bool
+    ) -> None:
+        record = delivery.record
+        await self._send(
+            self._dead_letter_topic(record.topic),
+            b"" if body_dropped else record.value,  # (aiokafka needs a key or a value)
+            record.key,
+            dead_letter_headers(record, verdict, body_dropped),
+        )
+
+    def notice_body(self, delivery: _Delivery, verdict: Verdict, with_original: bool) -> bytes:
+        if not with_original:
+            return settle.notice_of(verdict)
+        record = delivery.record
+        # the record key and (as x-original-* headers) the coordinates travel with it
+        return settle.notice_of(verdict, to_message(record), source=record.topic)
+
+    async def send_notice(self, scope: str, key: str, body: bytes) -> None:
+        await self._send(
             self.reconcile_topic,
             body,
             f"{scope}/{key}".encode(),
             [(SCOPE_HEADER, scope.encode()), (KEY_HEADER, key.encode())],
         )
-        if ok:
-            await notice_published(self.stats, self.consumer.store, scope, key)
-        return ok
+
+    async def send_redispatch(self, notice: Notice) -> None:
+        """The original as it was: its record key (so the same partitioner places it as the
+        original), body and headers (with its original coordinates)."""
+        assert notice.source is not None
+        await self._send(notice.source, notice.body, notice.record_key, redispatch_headers(notice))
+
+    async def _send(
+        self, topic: str, value: bytes | None, key: bytes | None, headers: list[tuple[str, bytes]]
+    ) -> None:
+        # send_and_wait: returns once the broker acknowledged it (acks=all), raises otherwise
+        await self._producer.send_and_wait(topic, value=value, key=key, headers=headers)
+
+    # --- publishing for the reconciler and the sweeper (consumer_idem.settle.Publisher) --------
+
+    async def publish_notice(self, scope: str, key: str, body: bytes) -> bool:
+        """Publish a reconciliation notice (``acks=all``) and record that it was published.
+        Used by the sweeper for notices that were never sent; raises
+        :class:`~consumer_idem.settle.PublishRefused` when the broker refuses it for good."""
+        return await settle.publish_notice(self, scope, key, body, hold=False)
 
     async def redispatch(self, notice: Notice) -> bool:
         """Send the original message of a notice back to its topic, to run once."""
-        if notice.source is None or notice.body is None:
-            return False
-        return await self._publish(
-            notice.source, notice.body, notice.key.encode(), list(notice.headers.items())
-        )
-
-    async def _publish(
-        self, topic: str, value: bytes | None, key: bytes | None, headers: list[tuple[str, bytes]]
-    ) -> bool:
-        return await publish_until_sent(
-            lambda: self._producer.send_and_wait(topic, value=value, key=key, headers=headers),
-            destination=topic,
-            stopping=lambda: self._stopping,
-            retry_on=KafkaError,
-        )
+        return await settle.redispatch(self, notice)
 
     def _dead_letter_topic(self, topic: str) -> str:
         if self._dlq is None:
@@ -366,6 +478,7 @@ class KafkaRunner:
             part.wake.set()
         await self._drain(parts)
         for part in parts:
+            self._reap(part)
             await self._commit(part)
             del self._parts[part.tp]
         log.info("partitions revoked: %s", sorted(str(tp) for tp in revoked))

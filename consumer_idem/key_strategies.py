@@ -67,7 +67,7 @@ def cloudevents() -> KeyStrategy:
         if declared or looks_structured:
             try:
                 event = json.loads(message.body)
-            except (ValueError, UnicodeDecodeError):
+            except (ValueError, UnicodeDecodeError, RecursionError):  # not a usable JSON body
                 return None
             if isinstance(event, Mapping) and event.get("id") and event.get("source"):
                 return f"{event['source']}#{event['id']}"
@@ -137,7 +137,7 @@ def payload_field(path: str) -> KeyStrategy:
     def strategy(message: ConsumerMessage) -> str | None:
         try:
             current: Any = json.loads(message.body)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # not a usable JSON body
             return None
         for part in path.split("."):
             if not isinstance(current, Mapping) or part not in current:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 _UNDECODED: Any = object()
@@ -44,8 +44,15 @@ class ConsumerMessage:
                 value = json.loads(self.body)
             except (ValueError, UnicodeDecodeError) as exc:
                 raise InvalidPayload(f"body is not valid JSON: {exc}") from exc
+            except RecursionError as exc:  # nested deeper than Python can decode
+                raise InvalidPayload("body is JSON nested too deeply to decode") from exc
             object.__setattr__(self, "_decoded", value)
         return self._decoded
+
+    def fresh(self) -> ConsumerMessage:
+        """This delivery with its decoded body forgotten: a new attempt after a rolled-back one
+        must not see the in-place changes the failed attempt made to the shared value."""
+        return replace(self, _decoded=_UNDECODED)
 
     def header(self, name: str) -> bytes | None:
         """A header's raw value (header names are matched case-insensitively)."""

@@ -8,9 +8,25 @@
   it runs once) or :class:`StillUnknown` (ask again later, with exponential backoff). After
   ``max_attempts`` answers, or once the record is older than ``max_age``, the case goes to the
   operator dead-letter destination and stays ``unknown`` until a person resolves it.
-* :class:`Sweeper` parks expired leases as ``unknown`` and publishes every due notice that was
-  never published (a crash between parking and publishing) or is due again after a backoff:
-  the row works as an outbox.
+* "Not executed" is ordered like an outbox. Every delivery acked with an ``unknown`` outcome
+  first kept its original message in the store (``settle.keep_original``: an unarmed outbox
+  row). The record becomes ``failed_retryable`` in the same transaction that arms that kept
+  original (or, for an older notice, stores the one the notice carries); only then is the
+  message re-sent (confirmed by the broker, through the transports' one settle path), its
+  outbox row deleted, and the notice acked. A re-dispatch that fails, is refused, is cut short
+  by a stopping runner, or never happens because the process died, stays in the outbox and the
+  sweeper sends it (with backoff). Re-sending first and resolving after would race: the copy
+  could meet the record still ``unknown`` and be acked as a duplicate, and the work would be
+  lost. A duplicate re-dispatch is harmless: the consumer replays it. With no original kept
+  and none in the notice, no delivery was acked: the record only becomes ``failed_retryable``
+  and the broker's redelivery runs it.
+* The copy runs under the original's key: it carries the original's headers, AMQP properties
+  (``message_id``...), Kafka record key and original coordinates. A key re-dispatched
+  ``max_redispatches`` times (each run ended ``unknown`` again, and the resolver keeps saying
+  "not executed") goes to the operator (``redispatch_exhausted``) instead of looping.
+* :class:`Sweeper` parks expired leases as ``unknown``, publishes every due notice that was
+  never published (a crash between parking and publishing) or is due again after a backoff
+  (the row works as an outbox), and sends every due re-dispatch of the outbox.
 """
 
 from __future__ import annotations
@@ -21,12 +37,13 @@ import logging
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Protocol
 
+from consumer_idem.backoff import Backoff
 from consumer_idem.consumer import Action, Verdict
-from consumer_idem.errors import NotUnknown, StoreUnavailable
+from consumer_idem.errors import CommitRolledBack, NotUnknown, StoreUnavailable
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import Notice, decode_notice, encode_notice
+from consumer_idem.settle import Publisher, PublishRefused
 from consumer_idem.store import Executed, NotExecuted, PostgresStore
 from consumer_idem.types import Record, Status
 
@@ -46,12 +63,12 @@ Answer = Executed | NotExecuted | StillUnknown
 Resolver = Callable[[Record], Awaitable[Answer]]
 
 
-class Transport(Protocol):
-    """What the reconciler needs from the runner it runs on (KafkaRunner, RabbitRunner)."""
-
-    async def publish_notice(self, scope: str, key: str, body: bytes) -> bool: ...
-
-    async def redispatch(self, notice: Notice) -> bool: ...
+#: what the reconciler and the sweeper need from the runner they use (KafkaRunner, RabbitRunner,
+#: the FastStream middleware)
+Transport = Publisher
+#: how a re-dispatch that failed is retried from the outbox (no jitter: few rows, and a failed
+#: one must not come due again at once)
+REDISPATCH_BACKOFF = Backoff(10.0, 900.0, jitter=False)
 
 
 class Reconciler:
@@ -70,8 +87,15 @@ class Reconciler:
         backoff: tuple[float, float] = (30.0, 3600.0),
         redispatch: bool = True,
         scopes: Collection[str] | None = None,
+        redispatch_grace: timedelta | float = timedelta(seconds=60),
+        max_redispatches: int | None = 5,
     ) -> None:
         self.store = store
+        #: re-dispatches of one key before "not executed" goes to the operator instead (None:
+        #: no bound)
+        self.max_redispatches = max_redispatches
+        #: how long the sweeper leaves a fresh outbox row to this reconciler's own re-dispatch
+        self.redispatch_grace = redispatch_grace
         #: the scopes this reconciler settles (None: all). Notices of other scopes on a shared
         #: topic are acked and left to the reconciler (its own consumer group) that knows them.
         self.scopes = None if scopes is None else frozenset(scopes)
@@ -79,6 +103,10 @@ class Reconciler:
         self.max_attempts = max_attempts
         self.max_age = max_age
         self.backoff_base, self.backoff_max = backoff
+        # a reschedule is stored, not slept: jitter is not needed to spread reconcilers out
+        self._backoff = Backoff(self.backoff_base, self.backoff_max, jitter=False)
+        #: send a "not executed" original at once (False: leave it, armed, to the sweeper; it is
+        #: re-dispatched either way, since a delivery of it was acked)
         self.redispatch = redispatch
         #: the runner this reconciler runs on, for re-dispatching (set by ``attach``)
         self.transport: Transport | None = None
@@ -87,7 +115,7 @@ class Reconciler:
         self.transport = transport
 
     def delay(self, attempt: int) -> float:
-        return float(min(self.backoff_max, self.backoff_base * 2 ** max(0, attempt - 1)))
+        return self._backoff.delay(attempt)
 
     async def process_batch(self, messages: Sequence[ConsumerMessage]) -> list[Verdict]:
         verdicts = []
@@ -105,7 +133,7 @@ class Reconciler:
             return Verdict(Action.DEAD_LETTER, self.scope, reason="invalid_notice")
         try:
             return await self._settle(notice)
-        except StoreUnavailable:
+        except (StoreUnavailable, CommitRolledBack):  # nothing was resolved: ask again later
             return Verdict(
                 Action.RETRY,
                 notice.scope,
@@ -133,18 +161,7 @@ class Reconciler:
                 await self.store.resolve(scope, key, answer)
                 return Verdict(Action.ACK, scope, key, reason="executed")
             if isinstance(answer, NotExecuted):
-                await self.store.resolve(scope, key, answer)
-                sent = (
-                    self.redispatch
-                    and self.transport is not None
-                    and await self.transport.redispatch(notice)
-                )
-                if self.redispatch and not sent:
-                    log.info(
-                        "no original message to re-dispatch; the next delivery runs it",
-                        extra={"scope": scope, "key": key},
-                    )
-                return Verdict(Action.ACK, scope, key, reason="not_executed")
+                return await self._not_executed(notice, answer)
             attempts = record.reconcile_attempts + 1
             age = datetime.now(UTC) - record.created_at
             if attempts >= self.max_attempts or age >= self.max_age:
@@ -158,15 +175,72 @@ class Reconciler:
         except NotUnknown:  # settled by someone else meanwhile (a webhook, an operator)
             return Verdict(Action.ACK, scope, key, reason="stale_notice", duplicate=True)
 
+    async def _not_executed(self, notice: Notice, answer: NotExecuted) -> Verdict:
+        scope, key = notice.scope, notice.key
+        extra = {"scope": scope, "key": key}
+        if self.max_redispatches is not None:
+            sent = await self.store.redispatch_count(scope, key)
+            if sent >= self.max_redispatches:
+                # every re-run ended unknown again: a person must look (the kept original
+                # stays; resolving the record "not executed" arms it)
+                await self.store.hand_to_operator(
+                    scope,
+                    key,
+                    f"redispatch_exhausted: re-dispatched {sent} times, each run ended "
+                    f"unknown; the resolver still says: {answer.reason}",
+                )
+                return Verdict(Action.DEAD_LETTER, scope, key, reason="redispatch_exhausted")
+        # resolution and the armed original commit together: from here the work cannot be lost
+        entry = await self.store.resolve_not_executed(
+            scope,
+            key,
+            answer,
+            notice if notice.original else None,
+            due_in=self.redispatch_grace if self.redispatch else 0.0,
+        )
+        if entry is None:
+            log.info(
+                "no original message kept or carried: no delivery of it was acked, so the broker "
+                "delivers it again and that runs it",
+                extra=extra,
+            )
+        elif self.redispatch:
+            await self._redispatch(entry.id, entry.notice)
+        return Verdict(Action.ACK, scope, key, reason="not_executed")
+
+    async def _redispatch(self, outbox_id: int, notice: Notice) -> None:
+        """Send the original message now, if it can be; whatever fails, its outbox row stays
+        and the sweeper sends it (the notice can be acked either way)."""
+        extra = {"scope": notice.scope, "key": notice.key}
+        if self.transport is None:
+            log.info("no transport attached: the sweeper re-dispatches it", extra=extra)
+            return
+        try:
+            sent = await self.transport.redispatch(notice)
+        except Exception as exc:  # refused, or anything else: the outbox keeps it
+            log.warning("re-dispatch failed (%r); the sweeper retries it", exc, extra=extra)
+            with contextlib.suppress(StoreUnavailable):
+                await self.store.redispatch_failed(
+                    outbox_id, repr(exc), REDISPATCH_BACKOFF.delay(1)
+                )
+            return
+        if not sent:  # stopping: the outbox row stays, due after the grace period
+            log.info("re-dispatch not sent (stopping); the sweeper sends it", extra=extra)
+            return
+        with contextlib.suppress(StoreUnavailable):  # lost: the sweeper sends a duplicate,
+            await self.store.redispatch_done(outbox_id)  # which the consumer replays
+
 
 @dataclass
 class SweepReport:
     zombies: int = 0  #: expired leases parked as unknown
     published: int = 0  #: due notices published
+    redispatched: int = 0  #: due re-dispatches of the outbox sent
 
 
 class Sweeper:
-    """Expired leases -> ``unknown``; due, unpublished notices -> published."""
+    """Expired leases -> ``unknown``; due, unpublished notices -> published; due re-dispatches
+    of the outbox -> sent."""
 
     def __init__(
         self,
@@ -183,24 +257,61 @@ class Sweeper:
 
     async def run_once(self) -> SweepReport:
         report = SweepReport(zombies=await self.store.sweep())
+        report.published = await self._notices()
+        report.redispatched = await self._redispatches()
+        return report
+
+    async def _notices(self) -> int:
+        published = 0
         while True:
             due = await self.store.due_notices(self.batch, self.scopes)
+            sent = 0
             for record in due:
                 body = encode_notice(record.scope, record.key, record.last_error)
-                if await self.transport.publish_notice(record.scope, record.key, body):
-                    report.published += 1
+                try:
+                    ok = await self.transport.publish_notice(record.scope, record.key, body)
+                except PublishRefused as exc:  # stays due: tried again on the next sweep
+                    log.error("notice refused: %s", exc, extra={"scope": record.scope})
+                    continue
+                if not ok:  # stopping
+                    return published + sent
+                sent += 1
+            published += sent
+            if len(due) < self.batch or sent < len(due):  # not all went: do not spin on them
+                return published
+
+    async def _redispatches(self) -> int:
+        redispatched = 0
+        while True:
+            due = await self.store.pending_redispatches(self.batch, self.scopes)
+            for entry in due:
+                extra = {"scope": entry.notice.scope, "key": entry.notice.key}
+                try:
+                    sent = await self.transport.redispatch(entry.notice)
+                except Exception as exc:  # kept, due again after a backoff
+                    log.warning("re-dispatch failed (%r); retrying later", exc, extra=extra)
+                    await self.store.redispatch_failed(
+                        entry.id, repr(exc), REDISPATCH_BACKOFF.delay(entry.attempts + 1)
+                    )
+                    continue
+                if not sent:  # stopping
+                    return redispatched
+                await self.store.redispatch_done(entry.id)
+                redispatched += 1
+                log.info("re-dispatched from the outbox", extra=extra)
             if len(due) < self.batch:
-                return report
+                return redispatched
 
     async def run(self, stop: asyncio.Event, interval: float = 5.0) -> None:
         while not stop.is_set():
             try:
                 report = await self.run_once()
-                if report.zombies or report.published:
+                if report.zombies or report.published or report.redispatched:
                     log.info(
-                        "sweep: %d zombies parked, %d notices published",
+                        "sweep: %d zombies parked, %d notices published, %d re-dispatched",
                         report.zombies,
                         report.published,
+                        report.redispatched,
                     )
             except StoreUnavailable as exc:
                 log.warning("sweep failed, will retry: %s", exc)

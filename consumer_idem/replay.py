@@ -7,21 +7,42 @@ and commit as they go, so an interrupted replay resumes where it stopped; Rabbit
 the messages present at start and ack as they go (a message that fails again is put back).
 A dead-letter copy keeps its identity: our runners keep the original headers (the idempotency
 key) and add the original coordinates, which ``kafka_coordinates()`` uses.
+
+A copy whose outcome is ``unknown`` (its replay parked the key, or met it parked) is acked only
+once its original is kept in the store, as the runners do (``settle.keep_original``): a "not
+executed" answer then re-dispatches it to the topic or queue it *first* came from (its
+``x-original-topic`` / Spring's ``kafka_dlt-original-topic`` / ``x-original-queue`` header),
+without the dead-letter headers. If it cannot be kept, it is reported ``failed`` and not acked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from consumer_idem.consumer import Action, IdempotentConsumer, Verdict
+from consumer_idem.consumer import (
+    DEAD_LETTER_ERROR,
+    DEAD_LETTER_KEY,
+    DEAD_LETTER_REASON,
+    DEAD_LETTER_SCOPE,
+    Action,
+    IdempotentConsumer,
+    Verdict,
+)
+from consumer_idem.errors import ConsumerIdemError, InvalidKey
+from consumer_idem.key_strategies import original_coordinates
 from consumer_idem.message import ConsumerMessage
+from consumer_idem.notice import ORIGINAL_QUEUE, Notice, make_notice
+from consumer_idem.settle import DEAD_LETTER_BODY_DROPPED, is_unknown
 from consumer_idem.store import PostgresStore
 from consumer_idem.types import Status
+
+log = logging.getLogger("consumer_idem.replay")
 
 #: classification of one message, as the dry run predicts it and the replay reports it
 CATEGORIES = ("execute", "skip", "unknown", "in_progress", "misuse", "invalid", "failed")
@@ -95,12 +116,97 @@ def category_of(verdict: Verdict) -> str:
         if verdict.reason and verdict.reason.startswith(("invalid_key", "invalid_json")):
             return "invalid"
         return "failed"
-    if verdict.reason == "unknown":  # its notice, if new, is published by the sweeper
+    if verdict.reason == "unknown":  # its notice, if new, is published by the sweeper; its
+        # original is kept before the ack (keep_replayed)
         return "unknown"
     return "skip" if verdict.duplicate else "execute"
 
 
 Ack = Callable[[bool], Awaitable[None]]  # ack(settled): True = done with it, False = keep it
+
+#: headers a dead-letter copy gained, which its re-dispatched original does not carry
+DEAD_LETTER_HEADERS = frozenset(
+    {
+        DEAD_LETTER_REASON,
+        DEAD_LETTER_SCOPE,
+        DEAD_LETTER_KEY,
+        DEAD_LETTER_ERROR,
+        DEAD_LETTER_BODY_DROPPED,
+    }
+)
+
+
+def original_source(message: ConsumerMessage) -> str | None:
+    """The topic or queue a dead-letter copy first came from: its ``x-original-topic`` (or
+    Spring's) or ``x-original-queue`` header. Without one, a Kafka copy's own topic (the
+    re-dispatch then lands in the dead-letter topic, where the next replay finds it); else
+    None."""
+    try:
+        coordinates = original_coordinates(message)
+    except InvalidKey:
+        coordinates = None
+    if coordinates is not None:
+        return coordinates[0]
+    queue = message.header(ORIGINAL_QUEUE)
+    if queue:
+        return queue.decode("utf-8", "replace")
+    return message.topic
+
+
+def dead_letter_original(
+    scope: str, key: str, reason: str | None, message: ConsumerMessage
+) -> Notice:
+    """The original message of a dead-letter copy, as a notice to keep: sent back to where it
+    first came from, with its headers (and original coordinates), record key and AMQP
+    properties, without the dead-letter headers."""
+    source = original_source(message)
+    if source is None:
+        return Notice(scope, key, reason)
+    headers = {k: v for k, v in message.headers.items() if k.lower() not in DEAD_LETTER_HEADERS}
+    return make_notice(
+        scope,
+        key,
+        reason,
+        source=source,
+        original=replace(message, headers=headers),
+        properties=_amqp_properties(message),
+    )
+
+
+def _amqp_properties(message: ConsumerMessage) -> dict[str, Any] | None:
+    try:
+        from aio_pika.abc import AbstractIncomingMessage
+    except ImportError:  # pragma: no cover - the rabbit extra is not installed
+        return None
+    if not isinstance(message.raw, AbstractIncomingMessage):
+        return None
+    from consumer_idem.rabbit import amqp_properties
+
+    return amqp_properties(message.raw)
+
+
+async def keep_replayed(
+    consumer: IdempotentConsumer, message: ConsumerMessage, verdict: Verdict
+) -> bool:
+    """Keep the original of a replayed copy whose outcome is ``unknown`` before it is acked
+    (see the module docstring). True when it may be acked."""
+    assert verdict.key is not None
+    keep = getattr(consumer.store, "keep_original", None)
+    if keep is None:  # a store without the outbox (Redis): reconciliation is Postgres-only
+        return True
+    record = verdict.outcome.record if verdict.outcome is not None else None
+    reason = (record.last_error if record else None) or verdict.reason
+    notice = dead_letter_original(consumer.scope, verdict.key, reason, message)
+    extra = {"scope": consumer.scope, "key": verdict.key}
+    if not notice.original:
+        log.error("no origin for an unknown outcome's copy: left in place", extra=extra)
+        return False
+    try:
+        status = await keep(consumer.scope, verdict.key, notice)
+    except ConsumerIdemError as exc:
+        log.warning("could not keep the original (%s): left in place", exc, extra=extra)
+        return False
+    return status in (Status.UNKNOWN, Status.COMPLETED)
 
 
 async def replay(
@@ -123,7 +229,10 @@ async def replay(
             report.add(await classify(consumer, message))
             await ack(False)
         else:
-            category = category_of(await consumer.process(message))
+            verdict = await consumer.process(message)
+            category = category_of(verdict)
+            if is_unknown(verdict) and not await keep_replayed(consumer, message, verdict):
+                category = "failed"  # not kept: not acked either
             report.add(category)
             await ack(category not in ("failed", "in_progress"))
         if on_progress is not None:

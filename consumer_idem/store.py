@@ -1,7 +1,9 @@
 """The PostgreSQL idempotency store: reservations and every state transition.
 
 Every write after a reservation is conditional on the owner token (fencing), and every database
-failure surfaces as :class:`StoreUnavailable` so that no caller proceeds unprotected.
+failure surfaces as a library error so that no caller proceeds unprotected: an outage as
+:class:`StoreUnavailable` (wait it out), a missing schema as :class:`SchemaMissing`, data the
+database refuses as :class:`StoreRejected` (see ``pg_errors``).
 """
 
 from __future__ import annotations
@@ -21,11 +23,21 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from consumer_idem import migrate
+from consumer_idem import migrate, pg_errors
 from consumer_idem.cache import CompletedCache
-from consumer_idem.errors import KeyInFlight, LeaseLost, NotUnknown, StoreUnavailable
+from consumer_idem.commit import check_sql, commit, execute_and_commit, mark_sql, rollback
+from consumer_idem.errors import (
+    ConsumerIdemError,
+    KeyInFlight,
+    LeaseLost,
+    NotUnknown,
+    SchemaMissing,
+    StoreUnavailable,
+    UnstorableResult,
+)
 from consumer_idem.keys import normalize_key, validate_scope
 from consumer_idem.metrics import Metrics
+from consumer_idem.notice import Notice, PendingRedispatch, clean_properties
 from consumer_idem.types import (
     Decision,
     DecisionKind,
@@ -98,9 +110,14 @@ def encode_result(result: Any) -> str | None:
     if result is None:
         return None
     try:
-        return json.dumps(result, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        text = json.dumps(result, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"handler result must be JSON-serialisable: {exc}") from exc
+        raise UnstorableResult(f"handler result must be JSON-serialisable: {exc}") from exc
+    try:  # a lone surrogate passes json.dumps but neither UTF-8 nor PostgreSQL's json
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UnstorableResult(f"handler result is not valid Unicode: {exc}") from exc
+    return text
 
 
 def _seconds(value: timedelta | float) -> timedelta:
@@ -191,18 +208,27 @@ class PostgresStore:
             except Exception:  # releasing a broken connection must not mask the real error
                 log.debug("releasing a connection failed", exc_info=True)
 
-    def _unavailable(self, operation: str, exc: BaseException, scope: str = "") -> StoreUnavailable:
+    def error_for(self, operation: str, exc: BaseException, scope: str = "") -> ConsumerIdemError:
+        """The library error for a failed store operation: :class:`StoreUnavailable` for an
+        outage, :class:`SchemaMissing` or :class:`StoreRejected` for what waiting cannot fix."""
+        kind = pg_errors.kind_of(exc)
         self.metrics.inc("store_error", scope)
         log.warning(
-            "store %s failed: %s: %s",
+            "store %s failed (%s): %s: %s",
             operation,
+            kind.__name__,
             type(exc).__name__,
             exc,
             extra={"scope": scope, "operation": operation},
         )
-        return StoreUnavailable(
-            f"idempotency store {operation} failed: {type(exc).__name__}: {exc}"
-        )
+        return kind(pg_errors.describe(operation, exc))
+
+    _unavailable = error_for  # the name other modules still use
+
+    @staticmethod
+    def is_outage(exc: BaseException) -> bool:
+        """Is ``exc`` (raised by the database driver) an outage that waiting may cure?"""
+        return pg_errors.kind_of(exc) is StoreUnavailable
 
     async def _run(
         self,
@@ -215,7 +241,7 @@ class PostgresStore:
         try:
             async with self.connection(conn) as c:
                 return await call(c)
-        except (LeaseLost, NotUnknown, StoreUnavailable, KeyInFlight):
+        except ConsumerIdemError:
             raise
         except Exception as exc:  # any database failure means: do not proceed
             raise self._unavailable(operation, exc, scope) from exc
@@ -231,6 +257,19 @@ class PostgresStore:
     async def migrate(self) -> list[int]:
         """Create or upgrade the schema; safe when several processes run it at once."""
         return await self._run("migrate", "", None, lambda c: migrate.apply(c, self.schema))
+
+    async def check_schema(self) -> None:
+        """Fail fast at start-up: raise :class:`SchemaMissing` (naming the command that fixes it)
+        when the schema is missing or older than this library, :class:`StoreUnavailable` when
+        the database cannot be reached. Runners call it before consuming."""
+        wanted = max(m.version for m in migrate.available())
+        sql = f'SELECT coalesce(max(version), 0) FROM "{self.schema}".schema_migrations'
+        version = await self._run("check_schema", "", None, lambda c: c.fetchval(sql))
+        if version < wanted:
+            raise SchemaMissing(
+                f"the idempotency schema {self.schema!r} is at version {version}, this library "
+                f"needs {wanted}: {pg_errors.MIGRATE_HINT}"
+            )
 
     # --- reservation ---------------------------------------------------------------------------
 
@@ -368,8 +407,11 @@ class PostgresStore:
         fingerprint: str,
         retention: timedelta | float | None = None,
         lock_timeout_ms: int | None = None,
+        mark: str | None = None,
     ) -> bool:
         """BEGIN a transaction on ``conn`` and claim (scope, key) in the same round trip.
+        ``mark``: a :func:`~consumer_idem.commit.new_mark` the transaction carries, so its
+        COMMIT can check it is still the same transaction.
 
         The claim row is written as ``completed`` straight away: nobody can see it before this
         transaction commits (a duplicate blocks on the unique index until then), and if the
@@ -384,8 +426,9 @@ class PostgresStore:
         timeout = (
             "" if lock_timeout_ms is None else f"SET LOCAL lock_timeout = {int(lock_timeout_ms)}; "
         )
+        marked = "" if mark is None else f"{mark_sql(mark)}; "
         sql = (
-            f"BEGIN; {timeout}EXECUTE {self._claim_stmt}({dollar_quote(scope)},"
+            f"BEGIN; {marked}{timeout}EXECUTE {self._claim_stmt}({dollar_quote(scope)},"
             f" {dollar_quote(key)}, {dollar_quote(fingerprint)}, {retention_s!r})"
         )
 
@@ -425,6 +468,45 @@ class PostgresStore:
             f"EXECUTE {self._result_stmt}({dollar_quote(scope)}, {dollar_quote(key)},"
             f" {dollar_quote(encoded)}); COMMIT"
         )
+
+    async def finish_claimed(
+        self,
+        conn: asyncpg.Connection,
+        scope: str,
+        key: str,
+        *,
+        encoded: str | None = None,
+        response: StoredResponse | None = None,
+        then: str = "",
+        mark: str | None = None,
+    ) -> None:
+        """Store the result (``encode_result`` of it) and/or an HTTP response on a row claimed by
+        :meth:`begin_and_claim`, run ``then`` (a statement of the library's own, e.g. a NOTIFY)
+        and COMMIT, in one round trip, checking the commit's tag: raises
+        :class:`~consumer_idem.errors.CommitRolledBack` when the transaction had been aborted.
+        Other errors propagate as raised (the caller classifies them)."""
+        statements = [] if mark is None else [check_sql(mark)]
+        where = f" WHERE scope = {dollar_quote(scope)} AND key = {dollar_quote(key)}"
+        if response is not None:
+            # literals, not parameters: a simple query can carry the COMMIT in the same round
+            # trip (the body as hex, so no byte needs escaping)
+            result = "" if encoded is None else f"result = {dollar_quote(encoded)}::json, "
+            statements.append(
+                f"UPDATE {self.table} SET {result}http_status = {int(response.status)},"
+                f" http_headers = {dollar_quote(json.dumps(dict(response.headers)))}::jsonb,"
+                f" http_body = decode('{response.body.hex()}', 'hex'){where}"
+            )
+        elif encoded is not None:
+            statements.append(
+                f"EXECUTE {self._result_stmt}({dollar_quote(scope)}, {dollar_quote(key)},"
+                f" {dollar_quote(encoded)})"
+            )
+        if then:
+            statements.append(then)
+        if statements:
+            await execute_and_commit(conn, "; ".join(statements))
+        else:
+            await commit(conn)
 
     async def claim_many(
         self,
@@ -729,7 +811,27 @@ class PostgresStore:
     ) -> Record:
         """Settle an ``unknown`` record (the reconciliation path only): ``Executed`` ->
         ``completed`` with its result, ``NotExecuted`` -> ``failed_retryable``.
-        Raises :class:`NotUnknown` if the record is not ``unknown``."""
+        Raises :class:`NotUnknown` if the record is not ``unknown``.
+
+        The original message kept for the record (:meth:`keep_original`) is settled in the same
+        transaction: deleted on ``Executed``; on ``NotExecuted`` armed, due now, so the sweeper
+        re-dispatches it (its delivery was acked: nothing else would run it again)."""
+        record, _ = await self._resolve(scope, key, resolution, retention=retention, conn=conn)
+        return record
+
+    async def _resolve(
+        self,
+        scope: str,
+        key: str,
+        resolution: Resolution,
+        *,
+        retention: timedelta | float | None = None,
+        conn: asyncpg.Connection | None = None,
+        notice: Notice | None = None,
+        due_in: timedelta | float = 0.0,
+    ) -> tuple[Record, PendingRedispatch | None]:
+        """:meth:`resolve`, returning the armed re-dispatch too ("not executed" with an original
+        kept, or carried by ``notice``; due after ``due_in``)."""
         retention_td = self.retention_for(scope, retention)
         if isinstance(resolution, Executed):
             response = resolution.response
@@ -756,10 +858,27 @@ class PostgresStore:
             )
             args = (resolution.reason,)
 
-        async def call(c: Any) -> Any:
-            return await c.fetchrow(sql, scope, key, *args, timeout=self.command_timeout)
+        async def call(c: Any) -> tuple[Any, PendingRedispatch | None]:
+            # Two statements in one transaction (ours, or the caller's): the record's UPDATE
+            # waits for a keep_original holding the row, and the next statement then sees
+            # what it kept. One statement would miss it (its snapshot predates the wait).
+            own = not c.is_in_transaction()
+            if own:
+                await c.execute("BEGIN")
+            try:
+                row = await c.fetchrow(sql, scope, key, *args, timeout=self.command_timeout)
+                entry = None
+                if row is not None:
+                    entry = await self._settle_original(c, scope, key, resolution, notice, due_in)
+                if own:
+                    await commit(c)
+            except BaseException:
+                if own:
+                    await rollback(c)
+                raise
+            return row, entry
 
-        row = await self._run("resolve", scope, conn, call)
+        row, entry = await self._run("resolve", scope, conn, call)
         if row is None:
             raise NotUnknown(f"({scope!r}, {key!r}) is not unknown; nothing to resolve")
         self.metrics.inc("reconcile_resolved", scope)
@@ -767,7 +886,7 @@ class PostgresStore:
         record = Record.from_row(row)
         if conn is None:
             await self.remember(record)
-        return record
+        return record, entry
 
     async def _unknown_update(
         self, operation: str, scope: str, key: str, assignments: str, *args: Any
@@ -892,8 +1011,15 @@ class PostgresStore:
         """Delete a record. With ``token``, only while that owner still holds it (an owner
         cleaning up after itself); without, unconditionally (an operator)."""
         args: tuple[Any, ...]
+        # a kept original goes with its record: a later record of the same key must never
+        # re-dispatch an older message
+        outbox = f'"{self.schema}".redispatch_outbox'
         if token is None:
-            sql, args = f"DELETE FROM {self.table} WHERE scope = $1 AND key = $2", (scope, key)
+            sql = (
+                f"WITH kept AS (DELETE FROM {outbox} WHERE scope = $1 AND key = $2)"
+                f" DELETE FROM {self.table} WHERE scope = $1 AND key = $2"
+            )
+            args = (scope, key)
         else:
             sql = f"DELETE FROM {self.table} WHERE scope = $1 AND key = $2 AND owner_token = $3"
             args = (scope, key, token)
@@ -992,3 +1118,248 @@ class PostgresStore:
                 break
         self.last_prune = report
         return report.rows
+
+    # --- the re-dispatch outbox (reconciliation: "not executed") -------------------------------
+    #
+    # A row is either *unarmed* (due_at NULL): the original message of an ``unknown`` record,
+    # kept because a delivery of it was acked (keep_original), held until the record is
+    # resolved; or *armed*: the record was resolved "not executed" and the message must be sent
+    # again (the sweeper sends every due armed row; a confirmed send deletes it).
+
+    @property
+    def _outbox(self) -> str:
+        return f'"{self.schema}".redispatch_outbox'
+
+    _OUTBOX_COLUMNS = (
+        "scope, key, source, body, header_names, header_values, record_key, properties, due_at"
+    )
+
+    @staticmethod
+    def _outbox_args(notice: Notice) -> tuple[Any, ...]:
+        if not notice.original:
+            raise ValueError("the outbox needs the notice's source and original body")
+        names = list(notice.headers)
+        return (
+            notice.source,
+            notice.body,
+            names,
+            [notice.headers[n] for n in names],
+            notice.record_key,
+            json.dumps(notice.properties),
+        )
+
+    @staticmethod
+    def _pending(row: Any) -> PendingRedispatch:
+        properties = row["properties"]
+        if isinstance(properties, str):
+            properties = json.loads(properties)
+        return PendingRedispatch(
+            id=row["id"],
+            notice=Notice(
+                scope=row["scope"],
+                key=row["key"],
+                source=row["source"],
+                body=bytes(row["body"]),
+                headers={
+                    n: bytes(v)
+                    for n, v in zip(row["header_names"], row["header_values"], strict=True)
+                },
+                record_key=None if row["record_key"] is None else bytes(row["record_key"]),
+                properties=clean_properties(properties),
+            ),
+            attempts=row["attempts"],
+            last_error=row["last_error"],
+            armed=row["due_at"] is not None,
+        )
+
+    async def keep_original(self, scope: str, key: str, notice: Notice) -> Status | None:
+        """Keep the original message of an ``unknown`` record before a delivery of it is acked:
+        an unarmed outbox row, held until the record is resolved (then armed or deleted in the
+        resolution's transaction). Returns the record's status: the original is kept only while
+        it is ``unknown``. Anything else means it was resolved meanwhile (``completed``: acking
+        is right; ``failed_retryable``, in progress or gone: do not ack, let the delivery run).
+
+        The record row is locked (``FOR SHARE``) while the original is written, so a resolution
+        either comes first (and this keeps nothing) or sees what was kept. An existing unarmed
+        row stays as it is (the same message); an armed one, left from an earlier round whose
+        re-dispatch has not been confirmed yet, is disarmed and renumbered (its pending send no
+        longer deletes it)."""
+        sql = (
+            f"WITH r AS (SELECT status FROM {self.table} WHERE scope = $1 AND key = $2"
+            " FOR SHARE),"
+            f" kept AS (INSERT INTO {self._outbox} AS o ({self._OUTBOX_COLUMNS})"
+            " SELECT $1::text, $2::text, $3::text, $4::bytea, $5::text[], $6::bytea[], $7::bytea,"
+            " $8::jsonb, NULL::timestamptz FROM r WHERE r.status = 'unknown'"
+            " ON CONFLICT (scope, key) DO UPDATE SET id = DEFAULT, source = EXCLUDED.source,"
+            " body = EXCLUDED.body, header_names = EXCLUDED.header_names,"
+            " header_values = EXCLUDED.header_values, record_key = EXCLUDED.record_key,"
+            " properties = EXCLUDED.properties, attempts = 0, last_error = NULL, due_at = NULL,"
+            " created_at = now() WHERE o.due_at IS NOT NULL RETURNING 1)"
+            " SELECT status FROM r"
+        )
+        args = self._outbox_args(notice)
+        status = await self._run(
+            "keep_original",
+            scope,
+            None,
+            lambda c: c.fetchval(sql, scope, key, *args, timeout=self.command_timeout),
+        )
+        return None if status is None else Status(status)
+
+    async def kept_original(self, scope: str, key: str) -> PendingRedispatch | None:
+        """The outbox row of a key, armed or not (``PendingRedispatch.armed``), or None."""
+        sql = f"SELECT * FROM {self._outbox} WHERE scope = $1 AND key = $2"
+        row = await self._run(
+            "kept_original",
+            scope,
+            None,
+            lambda c: c.fetchrow(sql, scope, key, timeout=self.command_timeout),
+        )
+        return None if row is None else self._pending(row)
+
+    async def redispatch_count(self, scope: str, key: str) -> int:
+        """How many times reconciliation re-dispatched this key's original message."""
+        sql = f"SELECT redispatches FROM {self.table} WHERE scope = $1 AND key = $2"
+        count = await self._run(
+            "redispatch_count",
+            scope,
+            None,
+            lambda c: c.fetchval(sql, scope, key, timeout=self.command_timeout),
+        )
+        return int(count or 0)
+
+    async def _settle_original(
+        self,
+        c: Any,
+        scope: str,
+        key: str,
+        resolution: Resolution,
+        notice: Notice | None,
+        due_in: timedelta | float,
+    ) -> PendingRedispatch | None:
+        """Inside a resolution's transaction: delete the kept original (executed), or arm it,
+        or the one ``notice`` carries when none was kept (not executed), counting the
+        re-dispatch on the record."""
+        if isinstance(resolution, Executed):
+            await c.execute(
+                f"DELETE FROM {self._outbox} WHERE scope = $1 AND key = $2",
+                scope,
+                key,
+                timeout=self.command_timeout,
+            )
+            return None
+        arm = "id = DEFAULT, attempts = 0, last_error = NULL, due_at = now() + $3::interval"
+        if notice is not None and notice.original:
+            # the kept original wins over the notice's copy (the same message; it was kept
+            # with everything the transport knew)
+            row = await c.fetchrow(
+                f"INSERT INTO {self._outbox} AS o ({self._OUTBOX_COLUMNS})"
+                " VALUES ($1, $2, $4, $5, $6, $7, $8, $9::jsonb, now() + $3::interval)"
+                f" ON CONFLICT (scope, key) DO UPDATE SET {arm} RETURNING *",
+                scope,
+                key,
+                _seconds(due_in),
+                *self._outbox_args(notice),
+                timeout=self.command_timeout,
+            )
+        else:
+            row = await c.fetchrow(
+                f"UPDATE {self._outbox} SET {arm} WHERE scope = $1 AND key = $2 RETURNING *",
+                scope,
+                key,
+                _seconds(due_in),
+                timeout=self.command_timeout,
+            )
+        if row is None:
+            return None
+        await c.execute(
+            f"UPDATE {self.table} SET redispatches = redispatches + 1"
+            " WHERE scope = $1 AND key = $2",
+            scope,
+            key,
+            timeout=self.command_timeout,
+        )
+        return self._pending(row)
+
+    async def resolve_not_executed(
+        self,
+        scope: str,
+        key: str,
+        resolution: NotExecuted,
+        notice: Notice | None = None,
+        *,
+        due_in: timedelta | float = timedelta(seconds=60),
+    ) -> PendingRedispatch | None:
+        """Resolve an ``unknown`` record as not executed and, in the same transaction, arm its
+        original message for a re-dispatch (due after ``due_in``): the one kept by
+        :meth:`keep_original`, else the one ``notice`` carries. Returns the armed outbox row
+        (send it, then :meth:`redispatch_done`), or None when no original exists anywhere (no
+        delivery of it was acked: the broker delivers it again). A crash after this commit
+        cannot lose the work: the sweeper sends every due armed row. Raises
+        :class:`NotUnknown` if the record is not ``unknown``."""
+        _, entry = await self._resolve(scope, key, resolution, notice=notice, due_in=due_in)
+        return entry
+
+    async def resolve_with_redispatch(
+        self,
+        scope: str,
+        key: str,
+        resolution: NotExecuted,
+        notice: Notice,
+        *,
+        due_in: timedelta | float = timedelta(seconds=60),
+    ) -> int:
+        """:meth:`resolve_not_executed` for a notice that carries the original; returns the
+        armed outbox row's id."""
+        if not notice.original:
+            raise ValueError("a re-dispatch needs the notice's source and original body")
+        entry = await self.resolve_not_executed(scope, key, resolution, notice, due_in=due_in)
+        assert entry is not None
+        return entry.id
+
+    async def pending_redispatches(
+        self, limit: int = 100, scopes: Sequence[str] | None = None, *, due_only: bool = True
+    ) -> list[PendingRedispatch]:
+        """Armed outbox rows whose re-dispatch is due (all armed ones with ``due_only=False``).
+        Unarmed rows (originals kept for unresolved records) are never pending."""
+        sql = (
+            f"SELECT * FROM {self._outbox} WHERE due_at IS NOT NULL"
+            " AND (NOT $3 OR due_at <= now())"
+            " AND ($2::text[] IS NULL OR scope = ANY($2::text[])) ORDER BY due_at LIMIT $1"
+        )
+        wanted = None if scopes is None else list(scopes)
+        rows = await self._run(
+            "pending_redispatches",
+            "",
+            None,
+            lambda c: c.fetch(sql, limit, wanted, due_only, timeout=self.command_timeout),
+        )
+        return [self._pending(r) for r in rows]
+
+    async def redispatch_done(self, outbox_id: int) -> None:
+        """The broker confirmed the re-dispatch: drop its outbox row (only that one: a row kept
+        again meanwhile has a new id)."""
+        sql = f"DELETE FROM {self._outbox} WHERE id = $1 AND due_at IS NOT NULL"
+        await self._run(
+            "redispatch_done",
+            "",
+            None,
+            lambda c: c.execute(sql, outbox_id, timeout=self.command_timeout),
+        )
+
+    async def redispatch_failed(
+        self, outbox_id: int, error: str, retry_in: timedelta | float
+    ) -> None:
+        """A re-dispatch attempt failed: count it, keep the error, try again after ``retry_in``."""
+        sql = (
+            f"UPDATE {self._outbox} SET attempts = attempts + 1, last_error = $2,"
+            " due_at = now() + $3::interval WHERE id = $1 AND due_at IS NOT NULL"
+        )
+        await self._run(
+            "redispatch_failed",
+            "",
+            None,
+            lambda c: c.execute(
+                sql, outbox_id, error[:500], _seconds(retry_in), timeout=self.command_timeout
+            ),
+        )

@@ -7,10 +7,13 @@
   HMAC-SHA256 over ``"<id>.<timestamp>.<raw body>"``, +-5 minutes.
 
 Both compare in constant time and accept several secrets (rotation). A malformed header is a 400,
-a wrong or stale signature a 401, and nothing is stored for either. :class:`WebhookReceiver`
-dedupes verified events by (provider, event id) through the store: a duplicate gets a 2xx
-without being processed again, and the handler's writes commit with the completion. Keep
-webhook records longer than the provider retries (days): pass ``retention``.
+a wrong or stale signature a 401, and nothing is stored for either. A secret that cannot work (an
+empty or non-base64 Standard Webhooks secret) is a :class:`WebhookSecretError` when the verifier
+is built, not a failure of every delivery. :class:`WebhookReceiver` dedupes verified events by
+(provider, event id) through the store: a duplicate gets a 2xx without being processed again,
+and the handler's writes commit with the completion. An id longer than a key may be is stored
+as its SHA-256 (``sha256:<hex>``). Keep webhook records longer than the provider retries (days):
+pass ``retention``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import base64
 import binascii
 import hashlib
 import hmac
-import json
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import timedelta
@@ -29,13 +32,19 @@ import asyncpg
 from starlette.requests import Request  # a real annotation: FastAPI injects by it
 from starlette.responses import JSONResponse, Response
 
-from consumer_idem.errors import NotUnknown, StoreUnavailable
+from consumer_idem.errors import ConfigurationError, InvalidKey, NotUnknown, StoreUnavailable
 from consumer_idem.execution import run_transactional
-from consumer_idem.fingerprint import fingerprint_payload
+from consumer_idem.fingerprint import fingerprint_payload, parse_json
+from consumer_idem.keys import normalize_key
 from consumer_idem.store import PostgresStore, Resolution
 from consumer_idem.types import OutcomeKind
 
 DEFAULT_TOLERANCE = 300
+_DIGITS = re.compile(r"[0-9]{1,15}")
+
+
+class WebhookSecretError(ConfigurationError):
+    """A signing secret that cannot work: refused when the verifier is built."""
 
 
 class WebhookVerificationError(Exception):
@@ -48,13 +57,21 @@ class WebhookVerificationError(Exception):
 
 
 def _check_time(timestamp: str, tolerance: int, now: float | None) -> int:
-    try:
-        ts = int(timestamp)
-    except ValueError as exc:
-        raise WebhookVerificationError(400, "timestamp is not a number") from exc
+    # ASCII digits only: int() also takes other scripts' digits, "_" and a sign
+    if not _DIGITS.fullmatch(timestamp):
+        raise WebhookVerificationError(400, "timestamp is not a number")
+    ts = int(timestamp)
     if abs((time.time() if now is None else now) - ts) > tolerance:
         raise WebhookVerificationError(401, "timestamp outside the tolerance")
     return ts
+
+
+def _matches(expected: str, offered: Sequence[str]) -> bool:
+    """Constant-time comparison of the expected signature with each offered one, as bytes:
+    ``hmac.compare_digest`` raises ``TypeError`` for a str that is not ASCII, and a forged
+    header may carry anything (a 401, never a 500 the provider retries for days)."""
+    want = expected.encode()
+    return any(hmac.compare_digest(want, sig.encode("utf-8", "surrogatepass")) for sig in offered)
 
 
 def verify_stripe(
@@ -77,16 +94,31 @@ def verify_stripe(
     signed = f"{ts}.".encode() + payload
     for secret in secrets:
         expected = hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()
-        if any(hmac.compare_digest(expected, sig) for sig in signatures):
+        if _matches(expected, signatures):
             return ts
     raise WebhookVerificationError(401, "no signature matches")
 
 
 def _standard_key(secret: str) -> bytes:
+    """The HMAC key of a ``whsec_<base64>`` secret. The padding may be left out (as the
+    reference implementation accepts); an empty key would let anyone sign, so it is refused."""
+    encoded = secret.removeprefix("whsec_").rstrip("=")
     try:
-        return base64.b64decode(secret.removeprefix("whsec_"), validate=True)
+        key = base64.b64decode(encoded + "=" * (-len(encoded) % 4), validate=True)
     except binascii.Error as exc:
-        raise ValueError("a Standard Webhooks secret is whsec_ + base64") from exc
+        raise WebhookSecretError("a Standard Webhooks secret is whsec_ + base64") from exc
+    if not key:
+        raise WebhookSecretError("the Standard Webhooks secret is empty: anyone could sign")
+    return key
+
+
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    """``name`` (lower case) from ``headers``, matched case-insensitively as HTTP does, also in
+    a plain dict (Starlette's ``Headers`` already is)."""
+    value = headers.get(name)
+    if value is None:
+        value = next((v for k, v in headers.items() if k.lower() == name), None)
+    return value
 
 
 def verify_standard(
@@ -98,9 +130,9 @@ def verify_standard(
     now: float | None = None,
 ) -> str:
     """Verify Standard Webhooks headers; returns the message id (``webhook-id``)."""
-    msg_id = headers.get("webhook-id")
-    timestamp = headers.get("webhook-timestamp")
-    signatures = headers.get("webhook-signature")
+    msg_id = _header(headers, "webhook-id")
+    timestamp = _header(headers, "webhook-timestamp")
+    signatures = _header(headers, "webhook-signature")
     if not msg_id or not timestamp or not signatures:
         raise WebhookVerificationError(
             400, "webhook-id, webhook-timestamp and webhook-signature are required"
@@ -115,7 +147,7 @@ def verify_standard(
     for secret in secrets:
         digest = hmac.new(_standard_key(secret), signed, hashlib.sha256).digest()
         expected = base64.b64encode(digest).decode()
-        if any(hmac.compare_digest(expected, sig) for sig in offered):
+        if _matches(expected, offered):
             return msg_id
     raise WebhookVerificationError(401, "no signature matches")
 
@@ -142,23 +174,36 @@ Verifier = Callable[[bytes, Mapping[str, str]], str]  # returns the event id
 
 
 def standard_verifier(secrets: Sequence[str], tolerance: int = DEFAULT_TOLERANCE) -> Verifier:
+    """A Standard Webhooks verifier; raises :class:`WebhookSecretError` at once for a secret
+    that cannot work (empty, not base64), instead of refusing every delivery later."""
+    if isinstance(secrets, str) or not secrets:
+        raise WebhookSecretError("pass a list of one or more whsec_ secrets")
+    for secret in secrets:
+        _standard_key(secret)
     return lambda body, headers: verify_standard(body, headers, secrets, tolerance=tolerance)
 
 
 def stripe_verifier(secrets: Sequence[str], tolerance: int = DEFAULT_TOLERANCE) -> Verifier:
+    if isinstance(secrets, str) or not secrets or not all(secrets):
+        raise WebhookSecretError("pass a list of one or more non-empty Stripe signing secrets")
+
     def verify(body: bytes, headers: Mapping[str, str]) -> str:
         verify_stripe(body, headers.get("stripe-signature"), secrets, tolerance=tolerance)
         try:
-            event_id = json.loads(body)["id"]
+            event_id = parse_json(body)["id"]
         except (ValueError, KeyError, TypeError) as exc:
             raise WebhookVerificationError(400, "the event has no id") from exc
-        return str(event_id)
+        if not isinstance(event_id, str):  # a list or an object is no id ("['evt_1']")
+            raise WebhookVerificationError(400, "the event id is not a string")
+        return event_id
 
     return verify
 
 
 class WebhookReceiver:
-    """A Starlette/FastAPI endpoint: ``Route("/webhooks/stripe", receiver, methods=["POST"])``.
+    """An endpoint: FastAPI ``app.add_api_route("/webhooks/stripe", receiver, methods=["POST"])``,
+    Starlette ``Route("/webhooks/stripe", receiver.handle, methods=["POST"])`` (Starlette takes
+    an object that is not a function for an ASGI app).
 
     ``handler(event, conn)`` runs once per (provider, event id), inside the transaction that
     records the event as processed.
@@ -188,7 +233,7 @@ class WebhookReceiver:
         body = await request.body()
         try:
             event_id = self.verify(body, request.headers)
-            event = json.loads(body)
+            event = parse_json(body)  # ValueError also for JSON nested too deep to decode
             if not isinstance(event, dict):
                 raise WebhookVerificationError(400, "the event must be a JSON object")
         except WebhookVerificationError as exc:
@@ -200,10 +245,15 @@ class WebhookReceiver:
             return await self.handler(event, conn)
 
         try:
+            # an id past the key length limit (or with control characters) is kept as its hash
+            key = normalize_key(event_id, hash_invalid=True)
+        except InvalidKey:
+            return JSONResponse({"error": "the event id is empty"}, status_code=400)
+        try:
             outcome = await run_transactional(
                 self.store,
                 self.scope,
-                event_id,
+                key,
                 fingerprint_payload(body),
                 handle,
                 retention=self.retention,
@@ -220,6 +270,8 @@ class WebhookReceiver:
             return JSONResponse({"received": True, "outcome": "unknown"}, status_code=202)
         # failed (the handler raised) or in progress: ask the provider to deliver it again
         return JSONResponse({"error": "not processed, retry"}, status_code=500)
+
+    handle = __call__  #: the endpoint as a method, for Starlette's ``Route``
 
 
 async def resolve_unknown(

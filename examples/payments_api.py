@@ -103,7 +103,8 @@ def create_app(store: PostgresStore | None = None, gateway_url: str | None = Non
     app.add_middleware(
         IdempotencyMiddleware,
         store=lambda: holder["store"],
-        tenant=lambda scope: dict(scope["headers"]).get(b"x-tenant", b"public").decode("latin-1"),
+        # keys never cross callers: a real API would name the authenticated merchant here
+        caller=lambda conn: conn.headers.get("x-tenant", "public"),
     )
 
     @app.post(

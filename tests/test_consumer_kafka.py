@@ -201,14 +201,18 @@ async def test_ambiguous_failure_parks_unknown_and_notifies_before_commit(
 
 async def test_store_outage_means_no_commit_until_it_returns(
     settings: Settings,
+    pg_dsn: str,
+    store: PostgresStore,
     pg_pool: asyncpg.Pool,
     demo_tables: None,
     kafka_topic_factory: Any,
     kafka_producer: AIOKafkaProducer,
     run_id: str,
+    scope: str,
 ) -> None:
-    # A store whose schema does not exist yet behaves exactly like an unreachable one.
-    down = PostgresStore(pg_pool, schema=f"outage_{uuid.uuid4().hex[:8]}")
+    from tests._broker import Outage
+
+    outage = await Outage.start(store, pg_dsn)  # the database is unreachable until end()
     topic = await kafka_topic_factory("outage", partitions=1)
     await send_raw(
         kafka_producer,
@@ -216,7 +220,7 @@ async def test_store_outage_means_no_commit_until_it_returns(
         [({"idempotency-key": f"o-{i}".encode()}, payment(run_id, i)) for i in range(5)],
     )
     runner = KafkaRunner(
-        ledger_consumer(down, "outage"), topics=[topic], group_id=run_id, consumer_options=FAST
+        ledger_consumer(outage.down, scope), topics=[topic], group_id=run_id, consumer_options=FAST
     )
     stop = asyncio.Event()
     task = asyncio.create_task(runner.run(stop))
@@ -224,7 +228,7 @@ async def test_store_outage_means_no_commit_until_it_returns(
         await wait_until(lambda: _gt(runner.stats, "retries", 2), 30, "retries while down")
         assert await ledger_count(pg_pool, run_id) == 0
         assert runner.stats.commits == 0
-        await down.migrate()  # the store is back
+        outage.end()  # the store is back
 
         async def resumed() -> bool:
             return runner.stats.processed >= 5

@@ -350,3 +350,109 @@ async def test_the_example_app_sigkilled_mid_run_loses_and_doubles_nothing(
             await channel.queue_delete(queue)
         await channel.close()
         await kafka_admin.delete_topics([name, f"{name}.out"])
+
+
+# --- faults -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_hold", [600.0, 0.3], ids=["held", "handed-back-as-copies"])
+async def test_rabbitmq_store_outage_longer_than_the_delivery_budget_dead_letters_nothing(
+    max_hold: float,
+    settings: Settings,
+    pg_dsn: str,
+    store: PostgresStore,
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    effects: None,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+) -> None:
+    from tests._broker import Outage
+
+    outage = await Outage.start(store, pg_dsn)
+    queue = unique("fsout")
+    broker = RabbitBroker(settings.amqp_url)
+    idem = Idempotency(
+        outage.down,
+        broker=broker,
+        scope=scope,
+        key=KEY,
+        backoff=(0.05, 0.2),
+        max_deliveries=2,
+        max_hold=max_hold,
+    )
+    router = RabbitRouter(middlewares=[idem])
+
+    @router.subscriber(RabbitQueue(queue, queue_type=QueueType.QUORUM), ack_policy=AckPolicy.MANUAL)
+    async def handle(
+        data: dict[str, Any], conn: IdempotentConnection, current: CurrentIdempotency
+    ) -> None:
+        await write_effect(conn, current, data["n"])
+
+    broker.include_router(router)
+    channel = await amqp_connection.channel(publisher_confirms=True)
+    try:
+        for name in (queue, f"{queue}.dlq"):
+            await channel.declare_queue(name, durable=True, arguments={"x-queue-type": "quorum"})
+        await channel.default_exchange.publish(
+            aio_pika.Message(b'{"n": 1}', headers={"idempotency-key": "k1"}), routing_key=queue
+        )
+        await broker.start()
+        try:
+            await asyncio.sleep(3)  # far more than 2 "retry later"s at a 0.05-0.2 s backoff
+            assert idem.stats.retries >= 4 and idem.stats.dead_lettered == 0
+            outage.end()
+
+            async def ran() -> bool:
+                return idem.stats.processed >= 1
+
+            await wait_until(ran, 15, "the message to run once the store is back")
+        finally:
+            await broker.stop()
+        assert idem.stats.dead_lettered == 0 and idem.stats.executed == 1
+        assert await effect_count(pg_pool, scope) == 1
+        for name in (queue, f"{queue}.dlq"):
+            declared = await channel.declare_queue(name, passive=True)
+            assert declared.declaration_result.message_count == 0
+    finally:
+        for name in (queue, f"{queue}.dlq"):
+            await channel.queue_delete(name)
+        await channel.close()
+
+
+async def test_rabbitmq_a_dead_letter_no_queue_takes_leaves_the_delivery_unacked(
+    settings: Settings,
+    store: PostgresStore,
+    scope: str,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+) -> None:
+    """No dead-letter queue (``declare=False``): the broker returns the copy. Taking that for
+    published would ack a message that is nowhere."""
+    queue = unique("fsnodlq")
+    broker = RabbitBroker(settings.amqp_url)
+    idem = Idempotency(store, broker=broker, scope=scope, key=KEY, declare=False)
+    router = RabbitRouter(middlewares=[idem])
+
+    @router.subscriber(RabbitQueue(queue, queue_type=QueueType.QUORUM), ack_policy=AckPolicy.MANUAL)
+    async def handle(data: dict[str, Any]) -> None:
+        raise AssertionError("a message without a key must not run")
+
+    broker.include_router(router)
+    channel = await amqp_connection.channel(publisher_confirms=True)
+    try:
+        await channel.declare_queue(queue, durable=True, arguments={"x-queue-type": "quorum"})
+        await channel.default_exchange.publish(aio_pika.Message(b'{"n": 1}'), routing_key=queue)
+        await broker.start()
+        try:
+            await asyncio.sleep(2)
+            assert idem.stats.dead_lettered == 0 and idem.stats.processed == 0
+        finally:
+            await broker.stop()
+
+        async def back() -> bool:
+            declared = await channel.declare_queue(queue, passive=True)
+            return declared.declaration_result.message_count == 1
+
+        await wait_until(back, 10, "the message to be back in its queue")
+    finally:
+        await channel.queue_delete(queue)
+        await channel.close()

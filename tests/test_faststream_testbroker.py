@@ -346,12 +346,55 @@ async def test_faststreams_own_ack_exceptions_map_to_verdicts(
         r["key"] for r in await pg_pool.fetch("SELECT key FROM fs_effects WHERE scope = $1", scope)
     ]
     assert keys == ["ack"]  # AckMessage commits what was written; the others roll back
-    statuses = {k: (await store.get(scope, k)).status for k in ("ack", "nack", "reject")}  # type: ignore[union-attr]
-    assert statuses == {
-        "ack": Status.COMPLETED,
-        "nack": Status.FAILED_RETRYABLE,
-        "reject": Status.FAILED_RETRYABLE,
-    }
+    records = {k: await store.get(scope, k) for k in ("ack", "nack", "reject")}
+    statuses = {k: r.status if r else None for k, r in records.items()}
+    # a rejected message is poison: dead-lettered, its key left free for a corrected copy
+    assert statuses == {"ack": Status.COMPLETED, "nack": Status.FAILED_RETRYABLE, "reject": None}
     assert [h["x-dead-letter-reason"] for _, h in app.dead] == ["rejected"]
     assert app.out == []  # AckMessage: acked without a result, as FastStream does
     assert app.idem.stats.processed == 3  # ack, the dead letter, the replay of ack
+
+
+async def test_a_kafka_subscriber_running_one_partition_concurrently_is_refused(
+    store: PostgresStore, scope: str, effects: None
+) -> None:
+    """``max_workers > 1`` on one consumer (FastStream's ConcurrentDefaultSubscriber) runs
+    records of one partition side by side: committing ``offset + 1`` of a finished one would
+    commit past an earlier one still running."""
+
+    async def body(data: Any, conn: asyncpg.Connection, current: Any) -> Any:
+        raise AssertionError("must not run")
+
+    broker = KafkaBroker()
+    idem = Idempotency(store, broker=broker, scope=scope, key=KEY)
+    router = KafkaRouter(middlewares=[idem])
+
+    @router.subscriber("in", group_id="g", ack_policy=AckPolicy.ACK_FIRST, max_workers=2)
+    async def handler(data: Any, conn: IdempotentConnection, current: CurrentIdempotency) -> Any:
+        return await body(data, conn, current)
+
+    broker.include_router(router)
+    async with TestKafkaBroker(broker):
+        with pytest.raises(IdempotencyConfigError, match="max_workers"):
+            await broker.publish({"n": 1}, "in", headers={"idempotency-key": "k1"})
+    assert await store.get(scope, "k1") is None
+
+
+async def test_a_kafka_subscriber_concurrent_between_partitions_only_is_accepted(
+    store: PostgresStore, scope: str, pg_pool: asyncpg.Pool, effects: None
+) -> None:
+    """With manual commits FastStream runs ``max_workers`` consumers, each partition on one of
+    them in order: commits stay contiguous, so the middleware accepts it."""
+    broker = KafkaBroker()
+    idem = Idempotency(store, broker=broker, scope=scope, key=KEY)
+    router = KafkaRouter(middlewares=[idem])
+
+    @router.subscriber("in", group_id="g", ack_policy=AckPolicy.MANUAL, max_workers=2)
+    async def handler(data: Any, conn: IdempotentConnection, current: CurrentIdempotency) -> None:
+        await write_effect(conn, current, data["n"])
+
+    broker.include_router(router)
+    async with TestKafkaBroker(broker):
+        await broker.publish({"n": 1}, "in", headers={"idempotency-key": "k1"})
+        await broker.publish({"n": 1}, "in", headers={"idempotency-key": "k1"})
+    assert await effect_count(pg_pool, scope) == 1

@@ -94,7 +94,7 @@ def make_app(store: PostgresStore, calls: list[str]) -> Starlette:
     app.add_middleware(
         IdempotencyMiddleware,
         store=store,
-        tenant=lambda scope: dict(scope["headers"]).get(b"x-tenant", b"t0").decode(),
+        caller=lambda conn: conn.headers.get("x-tenant", "t0"),
     )
     return app
 

@@ -91,3 +91,36 @@ def test_non_json_payloads_hash_raw_bytes() -> None:
 def test_json_rfc8785_cannot_canonicalise_falls_back_to_raw_bytes() -> None:
     body = b'{"customer_id": -602461404814797184}'  # beyond +-2**53: no canonical form
     assert fingerprint_payload(body) == fingerprint_bytes(body)
+
+
+def _nested(depth: int) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 100_000 + b"]" * 100_000,  # json.loads: RecursionError
+        b"[" * 100_000,  # and not even JSON
+        b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
+        b"[" * 900 + b"]" * 900,  # json.loads copes; RFC 8785 (pure Python) would not
+    ],
+)
+def test_deeply_nested_json_falls_back_to_raw_bytes(body: bytes) -> None:
+    """Never a RecursionError (an HTTP 500, a crashed consumer): nesting past ``MAX_DEPTH``
+    is fingerprinted as its raw bytes, whatever the stack depth of the caller."""
+    assert fingerprint_payload(body) == fingerprint_bytes(body)
+
+
+def test_nesting_depth_is_a_fixed_rule_not_the_stack() -> None:
+    from consumer_idem.fingerprint import MAX_DEPTH
+
+    assert fingerprint_json(_nested(MAX_DEPTH - 1)).startswith("v1:jcs:")
+    for too_deep in (_nested(MAX_DEPTH + 1), _nested(5_000)):
+        with pytest.raises(ValueError, match="nested"):
+            canonical_json(too_deep)
+        with pytest.raises(ValueError):
+            fingerprint_json(too_deep)

@@ -69,3 +69,24 @@ def test_standard_webhooks() -> None:
         with pytest.raises(WebhookVerificationError) as info:
             verify_standard(BODY, bad, [STANDARD])
         assert info.value.status == status
+
+
+@pytest.mark.parametrize("forged", ["\xe9\xe9", "é" * 64, "\udcff", "٣" * 64])
+def test_a_non_ascii_signature_is_a_401_not_a_crash(forged: str) -> None:
+    """``hmac.compare_digest`` raises TypeError on non-ASCII str: compare bytes instead."""
+    now = int(time.time())
+    with pytest.raises(WebhookVerificationError) as info:
+        verify_stripe(BODY, f"t={now},v1={forged}", ["sk"])
+    assert info.value.status == 401
+    headers = {**sign_standard(BODY, STANDARD, "msg_1", now), "webhook-signature": f"v1,{forged}"}
+    with pytest.raises(WebhookVerificationError) as info:
+        verify_standard(BODY, headers, [STANDARD])
+    assert info.value.status == 401
+
+
+def test_a_timestamp_is_ascii_digits() -> None:
+    now = int(time.time())
+    arabic = "".join(chr(0x0660 + int(d)) for d in str(now))  # int() would accept these
+    with pytest.raises(WebhookVerificationError) as info:
+        verify_stripe(BODY, f"t={arabic},v1=00", ["sk"])
+    assert info.value.status == 400

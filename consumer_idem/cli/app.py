@@ -304,7 +304,11 @@ def build_app() -> Any:
                 report: SweepReport = await Sweeper(store, runner, scopes=scope).run_once()
             finally:
                 await runner.close_publisher()
-            return {"zombies": report.zombies, "published": report.published}
+            return {
+                "zombies": report.zombies,
+                "published": report.published,
+                "redispatched": report.redispatched,
+            }
 
         data = store_call(dsn, schema, op)
         emit(

@@ -1,0 +1,106 @@
+"""COMMIT, checked: the only way this library ends a transaction it owns.
+
+A handler can also end it behind the library's back (``ROLLBACK; BEGIN`` to "recover" from an
+error, or an early ``COMMIT``): the claim is then gone, or committed before the work, and a
+COMMIT of the new transaction would report success for work no record guards. So every
+transaction the library opens carries a transaction-local mark (:func:`mark_sql`), checked in
+the same round trip as its COMMIT (:func:`check_sql`): a transaction without it is refused.
+Handlers recover from an error with :func:`savepoint`.
+
+PostgreSQL answers ``COMMIT`` on an aborted transaction (a statement failed and the handler
+swallowed the error without a savepoint) with the command tag ``ROLLBACK`` and no error. Taking
+that for success acks a message whose effect never committed. Every commit therefore goes
+through :func:`commit` (or :func:`execute_and_commit` for a statement batched with its COMMIT),
+which reads the tag and raises :class:`CommitRolledBack`.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from consumer_idem.errors import CommitRolledBack
+
+log = logging.getLogger("consumer_idem.commit")
+
+
+def check_commit_tag(tag: str) -> None:
+    """Raise :class:`CommitRolledBack` unless ``tag`` (a status string) is ``COMMIT``."""
+    if tag != "COMMIT":
+        raise CommitRolledBack(
+            f"PostgreSQL answered COMMIT with {tag!r}: the transaction had been aborted "
+            "(a statement failed inside it); nothing was committed"
+        )
+
+
+async def commit(conn: Any) -> None:
+    """``COMMIT`` on ``conn``; raises :class:`CommitRolledBack` if the server rolled back."""
+    check_commit_tag(await conn.execute("COMMIT"))
+
+
+async def execute_and_commit(conn: Any, sql: str) -> None:
+    """Run ``sql`` (simple protocol, no parameters) followed by ``COMMIT`` in one round trip and
+    check the commit's tag (a multi-statement simple query reports its last statement's tag)."""
+    check_commit_tag(await conn.execute(f"{sql}; COMMIT"))
+
+
+async def rollback(conn: Any) -> None:
+    """``ROLLBACK`` if ``conn`` is still in a transaction; a connection that is gone needs none
+    (nothing of its transaction was committed), so a failure here is only logged."""
+    try:
+        if not conn.is_closed() and conn.is_in_transaction():
+            await conn.execute("ROLLBACK")
+    except Exception:
+        log.debug("rollback failed", exc_info=True)
+
+
+#: the transaction-local setting that marks a transaction the library opened
+MARK_SETTING = "consumer_idem.tx"
+
+
+def new_mark() -> str:
+    """A fresh mark for one transaction (hex: safe inside a SQL literal)."""
+    return secrets.token_hex(8)
+
+
+def mark_sql(mark: str) -> str:
+    """Sent right after BEGIN: gone as soon as that transaction ends, however it ends."""
+    return f"SET LOCAL {MARK_SETTING} = '{mark}'"
+
+
+def check_sql(mark: str) -> str:
+    """Sent right before COMMIT: fails unless this is still the transaction marked ``mark``.
+    (The failing branch depends on a setting, so the planner cannot fold it into an error.)"""
+    current = f"current_setting('{MARK_SETTING}', true)"
+    return (
+        f"SELECT CASE WHEN {current} IS DISTINCT FROM '{mark}' THEN ('consumer-idem: the "
+        f"handler ended the idempotency transaction itself (COMMIT or ROLLBACK on its "
+        f"connection) ' || coalesce({current}, ''))::int END"
+    )
+
+
+@asynccontextmanager
+async def savepoint(conn: Any) -> AsyncIterator[None]:
+    """Recover from a failed statement inside a handler without ending the library's
+    transaction: what ran inside the block is rolled back to the savepoint when it raises,
+    and the exception propagates (catch it outside the block)::
+
+        try:
+            async with savepoint(conn):
+                await conn.execute("INSERT INTO payments ...")
+        except asyncpg.UniqueViolationError:
+            ...  # the transaction is still good: go on
+
+    (asyncpg's ``conn.transaction()`` refuses to nest in a transaction it did not open.)"""
+    name = f"consumer_idem_{secrets.token_hex(4)}"
+    await conn.execute(f"SAVEPOINT {name}")
+    try:
+        yield
+    except BaseException:
+        await conn.execute(f"ROLLBACK TO SAVEPOINT {name}")
+        await conn.execute(f"RELEASE SAVEPOINT {name}")
+        raise
+    await conn.execute(f"RELEASE SAVEPOINT {name}")
