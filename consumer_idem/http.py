@@ -19,12 +19,15 @@ middleware that cannot see the routes refuses to start. When routing depends on 
 ...``: each host its own key space) and of the fingerprint. The caller is what ``caller=``
 returns, else the principal Starlette's ``AuthenticationMiddleware`` put in ``scope["user"]``;
 requests with neither share the ``anonymous`` key space, which the middleware accepts only when
-told so (``shared_keys=True``). A caller label is the caller itself (percent-encoded) or, past
-64 characters, ``sha256.<hash>``; a verbatim label never starts with ``sha256.``.
+told so (``shared_keys=True``). A ``caller=`` label is the value itself (percent-encoded) or,
+past 64 characters, ``sha256.<hash>``; a principal's is ``u.<identity>``; none is
+``anonymous``: no label of one source is a label of another. A request no route matches (at
+this middleware's scope) is protected under its raw path.
 
 Problems are problem+json:
 
-* 400: a route that requires the key got none, or the key is malformed or sent twice;
+* 400: a route that requires the key got none, or the key is malformed or sent twice, or
+  ``caller=`` failed (``caller-unknown``);
 * 422: the key was used before with another request;
 * 409 + ``Retry-After``: the first request is still in flight (a route may ``wait`` for it
   instead); 409 with its own type: the outcome of the first request is ``unknown``;
@@ -67,8 +70,10 @@ import math
 import re
 import socket
 import time
+import uuid
 import warnings
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import parse_qsl, quote, urlencode
@@ -79,7 +84,13 @@ from starlette.requests import HTTPConnection
 from starlette.routing import Host, Match, Mount
 from starlette.types import ASGIApp as StarletteASGIApp
 
-from consumer_idem.claim import TransactionalClaim, TwoPhaseClaim, is_lock_timeout, waiters_for
+from consumer_idem.claim import (
+    Attempt,
+    TransactionalClaim,
+    TwoPhaseClaim,
+    is_lock_timeout,
+    waiters_for,
+)
 from consumer_idem.errors import (
     CommitRolledBack,
     ConfigurationError,
@@ -125,6 +136,10 @@ ANONYMOUS = "anonymous"
 #: how long a re-check of a waiting request may wait on a row lock: it must not hold the
 #: connection while the first request runs (it is woken when that one commits)
 RECHECK_LOCK_TIMEOUT_MS = 20
+#: keys whose endpoint ran in this process without a settled record: at most this many are
+#: remembered (oldest dropped first), each for the lease or 5 minutes, whichever is longer
+UNSETTLED_MAX = 10_000
+UNSETTLED_MIN_TTL = 300.0
 
 
 class KeyHeaderError(ValueError):
@@ -383,6 +398,32 @@ def _caller_label(value: str) -> str:
     return label
 
 
+#: a principal's label: ``u.<identity>``; a ``caller=`` value never starts so (nor is it
+#: ``anonymous``): each source of a caller is its own namespace
+_PRINCIPAL = "u."
+
+
+def _callers_label(value: str) -> str:
+    """A value of ``caller=``: :func:`_caller_label`, except that its first character is
+    percent-encoded (which ``quote`` never does to a letter) when the label would read
+    ``anonymous`` (no caller) or ``u.`` (a principal): no caller value shares their keys."""
+    label = _caller_label(value)
+    if label == ANONYMOUS or label.startswith(_PRINCIPAL):
+        return f"%{ord(label[0]):02X}{label[1:]}"
+    return label
+
+
+def _principal_label(identity: str) -> str:
+    """An authenticated principal's label: ``u.`` and its identity's :func:`_caller_label`."""
+    return _PRINCIPAL + _caller_label(identity)
+
+
+def downstream_key_for(scope: str, key: str) -> str:
+    """The two-phase ``downstream_key`` of (scope, key): the same on every attempt, and for a
+    run fail-open let through unprotected."""
+    return Attempt(scope, key, uuid.UUID(int=0), 0).downstream_key
+
+
 @dataclass
 class IdempotencyContext:
     """``request.state.idempotency`` inside an idempotent request."""
@@ -438,6 +479,10 @@ class StreamCutShort(ConsumerIdemError):
 
 class _ClientGone(Exception):
     """The client disconnected before the request body was complete."""
+
+
+class _CallerUnknown(Exception):
+    """``caller(conn)`` raised: the request does not say whose it is."""
 
 
 def problem(
@@ -549,6 +594,10 @@ class _Request:
     held_elsewhere: bool = False
     #: a store statement returned a decision for this request: the store is not down
     consulted: bool = False
+    #: this request holds its key in the in-process registry (claimed, or bypassed)
+    holding: bool = False
+    #: the endpoint ran and its outcome is recorded (or nothing of it can have happened)
+    settled: bool = False
 
 
 class IdempotencyMiddleware:
@@ -619,8 +668,13 @@ class IdempotencyMiddleware:
             )
         self.app: Any = app  # any ASGI app: a Starlette app, or middleware around one
         self.router = routes_from
-        #: keys this middleware runs right now (protected or bypassed), in this process
+        #: keys this middleware holds right now (claimed until settled, or bypassed), in this
+        #: process; and those of them run unprotected (fail-open)
         self._running: dict[tuple[str, str], int] = {}
+        self._bypassed: dict[tuple[str, str], int] = {}
+        #: keys whose endpoint ran here without a settled record (an outcome unknown, a
+        #: bypassed run): fail-open never lets them through (key -> when forgotten)
+        self._unsettled: OrderedDict[tuple[str, str], float] = OrderedDict()
         self._store = store
         self.methods = {m.upper() for m in methods}
         self.required = required
@@ -642,22 +696,63 @@ class IdempotencyMiddleware:
 
     def caller_of(self, scope: Scope, hosts: Iterable[str] = ()) -> str:
         """The caller part of a request's record scope; followed by the concrete host(s) when
-        routing depends on the host (``acme|a.shop.example``): two hosts are two key spaces."""
+        routing depends on the host (``acme|a.shop.example``): two hosts are two key spaces.
+        A ``caller=`` value, a principal (``u.<identity>``) and no caller (``anonymous``) are
+        three namespaces: no value of one is a label of another."""
         value = self.caller(HTTPConnection(scope)) if self.caller is not None else None
-        label = _caller_label(value or principal(scope) or ANONYMOUS)
+        if value:
+            label = _callers_label(value)
+        else:
+            user = principal(scope)
+            label = _principal_label(user.removeprefix("user:")) if user else ANONYMOUS
         return "|".join((label, *(_caller_label(host) for host in hosts)))
 
-    @contextlib.contextmanager
-    def _holding(self, request: _Request) -> Iterator[None]:
-        """While the endpoint runs for (scope, key) in this process."""
+    def _hold(self, request: _Request, *, bypassed: bool = False) -> None:
+        """From its claim until its outcome is settled (or while it runs bypassed), this
+        process holds (scope, key)."""
+        if request.holding:
+            return
+        request.holding = True
         held = (request.record_scope, request.key)
         self._running[held] = self._running.get(held, 0) + 1
-        try:
-            yield
-        finally:
-            left = self._running.pop(held) - 1
-            if left:
-                self._running[held] = left
+        if bypassed:
+            self._bypassed[held] = self._bypassed.get(held, 0) + 1
+
+    def _release(self, request: _Request) -> None:
+        if not request.holding:
+            return
+        request.holding = False
+        held = (request.record_scope, request.key)
+        for registry in (self._running, self._bypassed):
+            if held in registry:
+                left = registry.pop(held) - 1
+                if left:
+                    registry[held] = left
+
+    def _held_here(self, request: _Request, registry: dict[tuple[str, str], int]) -> bool:
+        """Does another request of this process hold the key?"""
+        return not request.holding and (request.record_scope, request.key) in registry
+
+    def _settle(self, request: _Request) -> None:
+        request.settled = True
+        self._unsettled.pop((request.record_scope, request.key), None)
+
+    def _remember_unsettled(self, request: _Request) -> None:
+        held = (request.record_scope, request.key)
+        self._unsettled.pop(held, None)
+        self._unsettled[held] = time.monotonic() + max(self.lease, UNSETTLED_MIN_TTL)
+        while len(self._unsettled) > UNSETTLED_MAX:
+            self._unsettled.popitem(last=False)
+
+    def _is_unsettled(self, request: _Request) -> bool:
+        held = (request.record_scope, request.key)
+        until = self._unsettled.get(held)
+        if until is None:
+            return False
+        if until < time.monotonic():
+            del self._unsettled[held]
+            return False
+        return True
 
     def _count(self, method: str, route: str, outcome: str) -> None:
         metrics = self._metrics
@@ -672,7 +767,13 @@ class IdempotencyMiddleware:
             await self.app(scope, receive, send)
             return
         routed = route_of(self.router, scope)
-        if routed is None or not routed.options.enabled:
+        if routed is None:
+            # no route at this scope (a middleware further in may rewrite the path): never let
+            # a keyed request through unprotected; its template is the path as it came
+            raw_path = scope.get("raw_path")
+            path = raw_path.decode("latin-1") if raw_path else scope["path"]
+            routed = Routed(path.split("?", 1)[0], RouteOptions())
+        if not routed.options.enabled:
             await self.app(scope, receive, send)
             return
         route, options = routed.template, routed.options
@@ -699,9 +800,11 @@ class IdempotencyMiddleware:
                 raise KeyHeaderError("send one Idempotency-Key header, not several")
             key = parse_key_header(raw[0].decode("latin-1"))
             body = await _read_body(receive, self.max_body)
-            record_scope, key = self.store.check(
-                f"http:{self.caller_of(scope, routed.hosts)}:{method} {route}", key
-            )
+            try:
+                caller = self.caller_of(scope, routed.hosts)
+            except Exception as exc:
+                raise _CallerUnknown from exc
+            record_scope, key = self.store.check(f"http:{caller}:{method} {route}", key)
         except (KeyHeaderError, InvalidKey) as exc:
             self._count(method, route, "invalid_key")
             await _send(
@@ -710,6 +813,21 @@ class IdempotencyMiddleware:
             return
         except _TooLarge:
             await _send(send, *problem(413, "body-too-large", "Request body too large"))
+            return
+        except _CallerUnknown as exc:
+            # the caller function failed (a header it reads is missing): whose key this is
+            # cannot be told, so it takes no part; the cause goes to the log only
+            self._count(method, route, "caller_unknown")
+            log.warning("caller= failed for %s %s", method, route, exc_info=exc.__cause__)
+            await _send(
+                send,
+                *problem(
+                    400,
+                    "caller-unknown",
+                    "Caller unknown",
+                    "the request does not say whose it is",
+                ),
+            )
             return
         except _ClientGone:
             # the body is incomplete: nothing may run on it and nothing is claimed; the client
@@ -741,42 +859,73 @@ class IdempotencyMiddleware:
         try:
             await self._handle(request)
         except (StoreUnavailable, SchemaMissing, StoreRejected, CommitRolledBack) as exc:
-            if request.send.started:
-                raise
-            if not request.ran and is_lock_timeout(exc):
+            await self._store_failed(request, body, receive, send, exc)
+        finally:
+            self._release(request)
+            if request.ran and not request.settled:
+                # its retry must never be let through by fail-open while the store is away
+                self._remember_unsettled(request)
+
+    async def _store_failed(
+        self, request: _Request, body: bytes, receive: Receive, send: Send, exc: Exception
+    ) -> None:
+        method, route = request.method, request.route
+        record_scope, key = request.record_scope, request.key
+        if request.send.started:
+            raise exc
+        if not request.ran and is_lock_timeout(exc):
+            self._count(method, route, "in_progress")
+            await _send(request.send, *_in_progress(1))
+            return
+        # the cause goes to the log, never to the client
+        log.warning(
+            "idempotency store failed (%s): %s",
+            "before the endpoint ran" if not request.ran else "after the endpoint ran",
+            exc,
+            extra={"scope": record_scope, "key": key},
+        )
+        if request.ran:
+            # the endpoint ran: "not processed" would be a lie, and running it again (fail
+            # open or not) could apply it twice. The retry meets the record: a replay, an
+            # in-flight or unknown answer, or (transactional, nothing committed) a first run
+            self._count(method, route, "store_unavailable")
+            await _send(request.send, *_OUTCOME_UNCONFIRMED)
+            return
+        if request.fail_open and self._may_bypass(request, exc):
+            if self._held_here(request, self._running):
+                # this process holds the key right now: a second run is a duplicate
                 self._count(method, route, "in_progress")
                 await _send(request.send, *_in_progress(1))
                 return
-            # the cause goes to the log, never to the client
-            log.warning(
-                "idempotency store failed (%s): %s",
-                "before the endpoint ran" if not request.ran else "after the endpoint ran",
-                exc,
-                extra={"scope": record_scope, "key": key},
+            if self._is_unsettled(request):
+                # it ran here and its outcome was never recorded: never run it again
+                self._count(method, route, "unknown")
+                await _send(request.send, *_NOT_RECORDED)
+                return
+            self._count(method, route, "bypassed")
+            self._hold(request, bypassed=True)
+            request.ran = True  # never recorded: a retry is never bypassed again
+            scope = dict(request.scope)
+            scope["state"] = {
+                **(request.scope.get("state") or {}),
+                "idempotency": IdempotencyContext(
+                    record_scope,
+                    key,
+                    request.mode,
+                    connection=None,
+                    downstream_key=downstream_key_for(record_scope, key)
+                    if request.mode == "two_phase"
+                    else None,
+                ),
+            }
+            await self.app(
+                scope,
+                _replay_body(body, receive),
+                _with_header(send, b"idempotency-status", b"bypassed"),
             )
-            if request.ran:
-                # the endpoint ran: "not processed" would be a lie, and running it again (fail
-                # open or not) could apply it twice. The retry meets the record: a replay, an
-                # in-flight or unknown answer, or (transactional, nothing committed) a first run
-                self._count(method, route, "store_unavailable")
-                await _send(request.send, *_OUTCOME_UNCONFIRMED)
-                return
-            if request.fail_open and self._may_bypass(request, exc):
-                if (record_scope, key) in self._running:
-                    # this process runs the key right now: a second run is a duplicate
-                    self._count(method, route, "in_progress")
-                    await _send(request.send, *_in_progress(1))
-                    return
-                self._count(method, route, "bypassed")
-                with self._holding(request):
-                    await self.app(
-                        scope,
-                        _replay_body(body, receive),
-                        _with_header(send, b"idempotency-status", b"bypassed"),
-                    )
-                return
-            self._count(method, route, "store_unavailable")
-            await _send(request.send, *_STORE_UNAVAILABLE)
+            return
+        self._count(method, route, "store_unavailable")
+        await _send(request.send, *_STORE_UNAVAILABLE)
 
     @staticmethod
     def _may_bypass(request: _Request, exc: BaseException) -> bool:
@@ -831,6 +980,10 @@ class IdempotencyMiddleware:
     async def _transactional(self, request: _Request, recheck: bool) -> float | None:
         """One attempt: ``None`` once the request is answered, else the seconds after which
         the request in flight may be done (nothing was sent)."""
+        if self._held_here(request, self._bypassed):
+            # this process runs the key unprotected: no record shows it. (A protected holder
+            # is in the store: its row lock or lease answers, and a duplicate may replay it)
+            return 1.0
         store = self.store
         lock_timeout = self.lock_timeout_ms
         if recheck:
@@ -852,6 +1005,7 @@ class IdempotencyMiddleware:
                 request.consulted = True
                 if claim.decision is not None:
                     return await self._decided(request, claim.decision)
+                self._hold(request)
                 await self._run_transactional(request, claim, conn)
                 return None
         except KeyInFlight:
@@ -867,14 +1021,15 @@ class IdempotencyMiddleware:
             captured = await self._run_app(request, context)
         except Exception as exc:  # (a cancellation is rolled back by the claim, not recorded)
             # a stream that died mid-way included: rolled back, never a stored success
-            await claim.fail(exc, "exception in endpoint")
+            await self._failed(request, await claim.fail(exc, "exception in endpoint"))
             raise
         if captured.incomplete:  # rolled back; the client is gone, or gets a broken response
-            await claim.fail(StreamIncomplete(), "stream incomplete")
+            await self._failed(request, await claim.fail(StreamIncomplete(), "stream incomplete"))
             self._count(request.method, request.route, "failed")
             return
         if captured.status >= 500:  # nothing of it is committed: it may run again
-            await claim.fail(EndpointFailed(captured.status), f"http {captured.status}")
+            failed = await claim.fail(EndpointFailed(captured.status), f"http {captured.status}")
+            await self._failed(request, failed)
             self._count(request.method, request.route, "failed")
         else:
             outcome = await claim.complete(response=self._stored(captured))
@@ -885,16 +1040,27 @@ class IdempotencyMiddleware:
                 # endpoint's answer describes changes that do not exist; it must not be sent.
                 # Or the endpoint ended the transaction itself: parked, its outcome unknown
                 unknown = outcome.kind is OutcomeKind.UNKNOWN
+                if not unknown:  # rolled back: nothing of it exists, it may run again
+                    self._settle(request)
                 self._count(request.method, request.route, "unknown" if unknown else "failed")
                 if captured.streaming:
                     raise StreamCutShort("the streamed response's transaction did not commit")
                 await _send(request.send, *(_NOT_RECORDED if unknown else _NOT_COMMITTED))
                 return
+            self._settle(request)
             self._count(request.method, request.route, "executed")
         await self._respond(request, captured)
 
+    async def _failed(self, request: _Request, outcome: Any) -> None:
+        """A transactional attempt rolled back: settled, unless its outcome is unknown (the
+        endpoint ended the transaction itself)."""
+        if getattr(outcome, "kind", None) is not OutcomeKind.UNKNOWN:
+            self._settle(request)
+
     async def _two_phase(self, request: _Request, recheck: bool) -> float | None:
         """One attempt, as :meth:`_transactional`."""
+        if self._held_here(request, self._bypassed):
+            return 1.0  # run unprotected by this process, in no record
         claim = TwoPhaseClaim(
             self.store,
             request.record_scope,
@@ -913,6 +1079,7 @@ class IdempotencyMiddleware:
         if decision.kind is not DecisionKind.EXECUTE:
             return await self._decided(request, decision)
         assert claim.attempt is not None
+        self._hold(request)
         context = IdempotencyContext(
             request.record_scope,
             request.key,
@@ -923,6 +1090,7 @@ class IdempotencyMiddleware:
             captured = await self._run_app(request, context)
         except Retryable as exc:
             await claim.fail_retryable(exc)
+            self._settle(request)  # not processed: it may run again
             log.info(
                 "endpoint failed before its effect (retryable): %s",
                 exc,
@@ -966,6 +1134,8 @@ class IdempotencyMiddleware:
                 return None
             # executed; or fenced (the lease ran out, the record was parked): the effect
             # happened all the same, and the endpoint's answer says so
+            if outcome.kind is OutcomeKind.EXECUTED:
+                self._settle(request)
             self._count(request.method, request.route, "executed")
         await self._respond(request, captured)
         return None
@@ -973,6 +1143,7 @@ class IdempotencyMiddleware:
     async def _respond(self, request: _Request, captured: _Captured) -> None:
         """Send the endpoint's answer, its outcome settled: the whole response, or the last
         message of a stream whose body went out as it came."""
+        self._release(request)  # settled: a duplicate meets the record from here on
         if captured.final is not None:
             await request.send.raw(captured.final)
         else:
@@ -1030,8 +1201,7 @@ class IdempotencyMiddleware:
                     captured.body += chunk
 
         request.ran = True
-        with self._holding(request):
-            await self.app(inner, request.receive, capture)
+        await self.app(inner, request.receive, capture)
         return captured
 
     def _stored(self, captured: _Captured) -> StoredResponse:
