@@ -225,7 +225,7 @@ def _closed(conn: Any) -> bool:
         return True
 
 
-def _ended_by_work(conn: Any) -> bool:
+def _transaction_gone(conn: Any) -> bool:
     """Our transaction is gone although the connection is alive: the work ended it."""
     try:
         return not conn.is_closed() and not conn.is_in_transaction()
@@ -340,7 +340,7 @@ class TransactionalClaim:
         commit) the attempt is rolled back and recorded by :meth:`fail`: the outcome is then
         ``failed_retryable``, never ``executed``, and nothing is cached."""
         store, conn, scope, key = self.store, self.conn, self.scope, self.key
-        if _ended_by_work(conn):
+        if _transaction_gone(conn):
             return await self._ended_by_work(None)
         if encoded is _UNSET:
             encoded = encode_result(result)
@@ -444,7 +444,7 @@ class TransactionalClaim:
             return self.outcome
         store, conn, scope, key = self.store, self.conn, self.scope, self.key
         # no transaction left: the work ended it, unless it was our own refused COMMIT
-        ended = not _our_commit and _ended_by_work(conn)
+        ended = not _our_commit and _transaction_gone(conn)
         await rollback(conn)
         if isinstance(exc, asyncio.CancelledError):
             raise exc

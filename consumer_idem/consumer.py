@@ -13,7 +13,7 @@ import inspect
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
@@ -100,14 +100,30 @@ class Verdict:
 
 
 def reconcile_notice(
-    verdict: Verdict, original: ConsumerMessage | None = None, source: str | None = None
+    verdict: Verdict,
+    original: ConsumerMessage | None = None,
+    source: str | None = None,
+    properties: Mapping[str, Any] | None = None,
 ) -> bytes:
-    """The reconciliation notice for a verdict that parked its key (see ``notice.py``)."""
-    outcome = verdict.outcome
-    record = outcome.record if outcome else None
+    """The reconciliation notice of a verdict about an ``unknown`` key (see ``notice.py``);
+    with ``original`` and ``source``, carrying the original message whole (``properties``: its
+    AMQP properties)."""
     assert verdict.key is not None
-    reason = (record.last_error if record else None) or verdict.reason
-    return encode_notice(verdict.scope, verdict.key, reason, source=source, original=original)
+    return encode_notice(
+        verdict.scope,
+        verdict.key,
+        notice_reason(verdict),
+        source=source,
+        original=original,
+        properties=properties,
+    )
+
+
+def notice_reason(verdict: Verdict) -> str | None:
+    """Why a key is ``unknown``, as its notice says: the record's last error, else the verdict's
+    reason."""
+    record = verdict.outcome.record if verdict.outcome is not None else None
+    return (record.last_error if record else None) or verdict.reason
 
 
 class Processor(Protocol):

@@ -70,6 +70,7 @@ from consumer_idem.consumer import (
     Action,
     IdempotentConsumer,
     Verdict,
+    reconcile_notice,
 )
 from consumer_idem.errors import ConfigurationError, PoisonMessage
 from consumer_idem.execution import Attempt, LocalWrites
@@ -720,8 +721,8 @@ class _Settler:
         self, message: StreamMessage[Any], verdict: Verdict, with_original: bool
     ) -> bytes:
         if not with_original or self.incoming is None:
-            return settle.notice_of(verdict)
-        return settle.notice_of(
+            return reconcile_notice(verdict)
+        return reconcile_notice(
             verdict, self.incoming, self.source, self.transport.properties(self.incoming)
         )
 

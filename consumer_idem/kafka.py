@@ -53,6 +53,7 @@ from consumer_idem.consumer import (
     Action,
     Processor,
     Verdict,
+    reconcile_notice,
 )
 from consumer_idem.key_strategies import ORIGINAL_OFFSET, ORIGINAL_PARTITION, ORIGINAL_TOPIC
 from consumer_idem.message import ConsumerMessage
@@ -402,10 +403,10 @@ class KafkaRunner:
 
     def notice_body(self, delivery: _Delivery, verdict: Verdict, with_original: bool) -> bytes:
         if not with_original:
-            return settle.notice_of(verdict)
+            return reconcile_notice(verdict)
         record = delivery.record
         # the record key and (as x-original-* headers) the coordinates travel with it
-        return settle.notice_of(verdict, to_message(record), source=record.topic)
+        return reconcile_notice(verdict, to_message(record), source=record.topic)
 
     async def send_notice(self, scope: str, key: str, body: bytes) -> None:
         await self._send(

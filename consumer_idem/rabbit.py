@@ -45,6 +45,7 @@ from consumer_idem.consumer import (
     Action,
     Processor,
     Verdict,
+    reconcile_notice,
 )
 from consumer_idem.message import ConsumerMessage, header_bytes
 from consumer_idem.notice import AMQP_PROPERTIES, KEY_HEADER, SCOPE_HEADER, Notice
@@ -382,8 +383,8 @@ class RabbitRunner:
         self, message: AbstractIncomingMessage, verdict: Verdict, with_original: bool
     ) -> bytes:
         if not with_original:
-            return settle.notice_of(verdict)
-        return settle.notice_of(
+            return reconcile_notice(verdict)
+        return reconcile_notice(
             verdict, to_message(message), self.queue_name, amqp_properties(message)
         )
 

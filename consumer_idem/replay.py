@@ -33,6 +33,7 @@ from consumer_idem.consumer import (
     Action,
     IdempotentConsumer,
     Verdict,
+    notice_reason,
 )
 from consumer_idem.errors import ConsumerIdemError, InvalidKey
 from consumer_idem.key_strategies import original_coordinates
@@ -194,9 +195,7 @@ async def keep_replayed(
     keep = getattr(consumer.store, "keep_original", None)
     if keep is None:  # a store without the outbox (Redis): reconciliation is Postgres-only
         return True
-    record = verdict.outcome.record if verdict.outcome is not None else None
-    reason = (record.last_error if record else None) or verdict.reason
-    notice = dead_letter_original(consumer.scope, verdict.key, reason, message)
+    notice = dead_letter_original(consumer.scope, verdict.key, notice_reason(verdict), message)
     extra = {"scope": consumer.scope, "key": verdict.key}
     if not notice.original:
         log.error("no origin for an unknown outcome's copy: left in place", extra=extra)

@@ -51,7 +51,7 @@ from consumer_idem.backoff import Backoff
 from consumer_idem.consumer import Action, Verdict
 from consumer_idem.errors import ConsumerIdemError, StoreUnavailable
 from consumer_idem.message import ConsumerMessage
-from consumer_idem.notice import Notice, decode_notice, encode_notice
+from consumer_idem.notice import Notice, decode_notice
 from consumer_idem.store import PostgresStore
 from consumer_idem.types import OutcomeKind, Status
 
@@ -197,22 +197,6 @@ async def publish_until_sent(
             delay = backoff.delay(attempt)
             log.warning("publish to %s failed (%r); retrying in %.1fs", destination, exc, delay)
             await pause(delay, stopping)
-
-
-def notice_of(
-    verdict: Verdict,
-    original: ConsumerMessage | None = None,
-    source: str | None = None,
-    properties: dict[str, Any] | None = None,
-) -> bytes:
-    """The reconciliation notice of a verdict about an ``unknown`` key; with ``original`` and
-    ``source``, carrying the original message whole (``properties``: its AMQP properties)."""
-    assert verdict.key is not None
-    record = verdict.outcome.record if verdict.outcome is not None else None
-    reason = (record.last_error if record else None) or verdict.reason
-    return encode_notice(
-        verdict.scope, verdict.key, reason, source=source, original=original, properties=properties
-    )
 
 
 def is_unknown(verdict: Verdict) -> bool:

@@ -199,7 +199,7 @@ class PostgresStore:
             acquired = self.pool.acquire(timeout=self.command_timeout)
             connection = await acquired.__aenter__()
         except Exception as exc:
-            raise self._unavailable("acquire", exc) from exc
+            raise self.error_for("acquire", exc) from exc
         try:
             yield connection
         finally:
@@ -223,8 +223,6 @@ class PostgresStore:
         )
         return kind(pg_errors.describe(operation, exc))
 
-    _unavailable = error_for  # the name other modules still use
-
     @staticmethod
     def is_outage(exc: BaseException) -> bool:
         """Is ``exc`` (raised by the database driver) an outage that waiting may cure?"""
@@ -244,7 +242,7 @@ class PostgresStore:
         except ConsumerIdemError:
             raise
         except Exception as exc:  # any database failure means: do not proceed
-            raise self._unavailable(operation, exc, scope) from exc
+            raise self.error_for(operation, exc, scope) from exc
         finally:
             self.metrics.observe(operation, time.perf_counter() - started)
 
