@@ -28,10 +28,10 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from benchmarks.common import entry, scratch_database
 from consumer_idem import PostgresStore, header, idempotent_consumer
-from consumer_idem.kafka import KafkaRunner, to_message
-from consumer_idem.rabbit import RabbitRunner
-from consumer_idem.rabbit import to_message as amqp_message
 from consumer_idem.settings import load_settings
+from consumer_idem.transports.kafka import KafkaRunner, to_message
+from consumer_idem.transports.rabbit import RabbitRunner
+from consumer_idem.transports.rabbit import to_message as amqp_message
 from examples.payments_producer import plan, send_kafka, send_rabbit
 from handlers.payments import ensure_tables, record_payment, record_payments
 

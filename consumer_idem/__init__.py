@@ -4,7 +4,6 @@ The public API is re-exported here; submodules are one concept each.
 """
 
 from consumer_idem.backoff import Backoff
-from consumer_idem.cache import CompletedCache
 from consumer_idem.commit import savepoint
 from consumer_idem.consumer import (
     Action,
@@ -49,10 +48,17 @@ from consumer_idem.key_strategies import (
 from consumer_idem.keys import normalize_key, validate_scope
 from consumer_idem.message import ConsumerMessage, InvalidPayload
 from consumer_idem.metrics import Metrics
-from consumer_idem.redis_store import RedisStore
 from consumer_idem.settings import Settings, load_settings
-from consumer_idem.settle import PublishRefused, RunnerStats
-from consumer_idem.store import Executed, NotExecuted, PostgresStore, PrunePolicy, Resolution
+from consumer_idem.stores.cache import CompletedCache
+from consumer_idem.stores.postgres.store import (
+    Executed,
+    NotExecuted,
+    PostgresStore,
+    PrunePolicy,
+    Resolution,
+)
+from consumer_idem.stores.redis import RedisStore
+from consumer_idem.transports.settle import PublishRefused, RunnerStats
 from consumer_idem.types import (
     Decision,
     DecisionKind,

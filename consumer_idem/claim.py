@@ -61,8 +61,8 @@ from consumer_idem.errors import (
     StoreUnavailable,
     UnstorableResult,
 )
-from consumer_idem.pg_errors import is_database_outage
-from consumer_idem.store import PostgresStore, encode_result
+from consumer_idem.stores.postgres.errors import is_database_outage
+from consumer_idem.stores.postgres.store import PostgresStore, encode_result
 from consumer_idem.types import (
     Decision,
     DecisionKind,

@@ -2,9 +2,9 @@
 
 The decorated object turns a :class:`ConsumerMessage` into a :class:`Verdict`: what the
 transport must do with the delivery (ack, retry later without acking, dead-letter with a reason,
-or publish a reconciliation notice and then ack). The transports (``consumer_idem.kafka``,
-``consumer_idem.rabbit``, ``consumer_idem.faststream``) only carry verdicts out; this module
-never imports a broker client.
+or publish a reconciliation notice and then ack). The transports
+(``consumer_idem.transports.kafka``, ``consumer_idem.transports.rabbit``,
+``consumer_idem.faststream``) only carry verdicts out; this module never imports a broker client.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from consumer_idem.key_strategies import (
 )
 from consumer_idem.message import ConsumerMessage, InvalidPayload
 from consumer_idem.notice import encode_notice
-from consumer_idem.store import PostgresStore, encode_result
+from consumer_idem.stores.postgres.store import PostgresStore, encode_result
 from consumer_idem.types import DecisionKind, Outcome, OutcomeKind, ResultKind
 
 log = logging.getLogger("consumer_idem.consumer")

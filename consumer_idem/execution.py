@@ -26,7 +26,7 @@ from consumer_idem.claim import (
     outcome_of,
 )
 from consumer_idem.errors import DomainError, Retryable
-from consumer_idem.store import PostgresStore, encode_result
+from consumer_idem.stores.postgres.store import PostgresStore, encode_result
 from consumer_idem.types import DecisionKind, Outcome, ResultKind
 
 __all__ = [

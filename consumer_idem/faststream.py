@@ -28,7 +28,7 @@ For each delivery the middleware, wrapped around FastStream's handler call:
    (never "commit everything"), an AMQP ack. Dead letters and reconciliation notices are
    published through the broker, and confirmed, before the delivery is settled.
 
-Settling goes through the one settle path of every transport (``consumer_idem.settle``):
+Settling goes through the one settle path of every transport (``consumer_idem.transports.settle``):
 publish durably, then ack; never ack a retry or an unconfirmed publish.
 
 A delivery that cannot be settled yet (in progress elsewhere, a retryable failure, the store
@@ -64,7 +64,6 @@ from faststream import BaseMiddleware, Context, Response, StreamMessage
 from faststream.exceptions import AckMessage, NackMessage, RejectMessage
 from faststream.message import AckStatus
 
-from consumer_idem import settle
 from consumer_idem.consumer import (
     DEFAULT_KEY,
     Action,
@@ -77,8 +76,9 @@ from consumer_idem.execution import Attempt, LocalWrites
 from consumer_idem.key_strategies import KeyStrategy
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import KEY_HEADER, SCOPE_HEADER, Notice
-from consumer_idem.settle import RunnerStats
-from consumer_idem.store import PostgresStore
+from consumer_idem.stores.postgres.store import PostgresStore
+from consumer_idem.transports import settle
+from consumer_idem.transports.settle import RunnerStats
 from consumer_idem.types import OutcomeKind, ResultKind
 
 log = logging.getLogger("consumer_idem.faststream")
@@ -251,13 +251,13 @@ class _Kafka:
             )
 
     def incoming(self, message: StreamMessage[Any]) -> ConsumerMessage:
-        from consumer_idem.kafka import to_message
+        from consumer_idem.transports.kafka import to_message
 
         record = message.raw_message
         if isinstance(record, tuple):
             raise IdempotencyConfigError(
                 "batch subscribers are not supported by the FastStream middleware; use "
-                "consumer_idem.kafka.KafkaRunner with @idempotent_consumer(batch=True)"
+                "consumer_idem.transports.kafka.KafkaRunner with @idempotent_consumer(batch=True)"
             )
         if not hasattr(record, "offset"):
             raise IdempotencyConfigError("a Kafka Idempotency middleware got a non-Kafka message")
@@ -284,7 +284,7 @@ class _Kafka:
         return None
 
     def permanent(self, exc: BaseException) -> bool:
-        from consumer_idem.kafka import PERMANENT_ERRORS
+        from consumer_idem.transports.kafka import PERMANENT_ERRORS
 
         return isinstance(exc, PERMANENT_ERRORS)
 
@@ -325,7 +325,7 @@ class _Kafka:
         to: str,
         body_dropped: bool = False,
     ) -> None:
-        from consumer_idem.kafka import dead_letter_headers
+        from consumer_idem.transports.kafka import dead_letter_headers
 
         record = message.raw_message
         await self._publish(
@@ -347,7 +347,7 @@ class _Kafka:
     async def redispatch(self, notice: Notice) -> None:
         """The original as it was: record key, body, headers with its original coordinates
         (the same as ``KafkaRunner``'s re-dispatch)."""
-        from consumer_idem.kafka import redispatch_headers
+        from consumer_idem.transports.kafka import redispatch_headers
 
         assert notice.source is not None
         await self._publish(
@@ -378,7 +378,7 @@ class _Rabbit:
         self._declared: set[str] = set()
 
     def incoming(self, message: StreamMessage[Any]) -> ConsumerMessage:
-        from consumer_idem.rabbit import to_message
+        from consumer_idem.transports.rabbit import to_message
 
         raw = message.raw_message
         if not hasattr(raw, "delivery_tag"):
@@ -394,12 +394,12 @@ class _Rabbit:
         return str(name or message.raw_message.routing_key)
 
     def properties(self, incoming: ConsumerMessage) -> dict[str, Any] | None:
-        from consumer_idem.rabbit import amqp_properties
+        from consumer_idem.transports.rabbit import amqp_properties
 
         return None if incoming.raw is None else amqp_properties(incoming.raw)
 
     def permanent(self, exc: BaseException) -> bool:
-        from consumer_idem.rabbit import permanent
+        from consumer_idem.transports.rabbit import permanent
 
         return permanent(exc)
 
@@ -413,7 +413,7 @@ class _Rabbit:
         """Publish a copy to hand the delivery back without spending its delivery budget: at
         the tail of the queue, carrying the deliveries already spent (the caller then acks the
         original)."""
-        from consumer_idem.rabbit import handed_back_copy, spent_deliveries
+        from consumer_idem.transports.rabbit import handed_back_copy, spent_deliveries
 
         raw = message.raw_message
         copy = handed_back_copy(raw, spent_deliveries(self.incoming(message)))
@@ -434,7 +434,7 @@ class _Rabbit:
         to: str,
         body_dropped: bool = False,
     ) -> None:
-        from consumer_idem.rabbit import dead_letter_headers
+        from consumer_idem.transports.rabbit import dead_letter_headers
 
         raw = message.raw_message
         await self._publish(
@@ -458,7 +458,7 @@ class _Rabbit:
         """The original as it was: body, headers and properties (``message_id``,
         ``correlation_id``, ``content_type``, ``type``...; FastStream's publish has no
         ``app_id``), as ``RabbitRunner`` re-dispatches it."""
-        from consumer_idem.rabbit import redispatch_headers, redispatch_properties
+        from consumer_idem.transports.rabbit import redispatch_headers, redispatch_properties
 
         assert notice.source is not None and notice.body is not None
         properties = redispatch_properties(notice)
@@ -511,8 +511,8 @@ class Idempotency:
     * ``max_hold`` (RabbitMQ): how long a delivery waiting for the store or for another owner
       stays in hand before it is handed back as a copy (keep it under ``consumer_timeout``).
 
-    It also serves as the transport of a :class:`~consumer_idem.reconcile.Sweeper` or
-    :class:`~consumer_idem.reconcile.Reconciler` (``publish_notice``, ``redispatch``).
+    It also serves as the transport of a :class:`~consumer_idem.operations.reconcile.Sweeper` or
+    :class:`~consumer_idem.operations.reconcile.Reconciler` (``publish_notice``, ``redispatch``).
     """
 
     def __init__(
@@ -635,7 +635,7 @@ class Idempotency:
                 raise PoisonMessage("invalid_payload", str(exc)[:500]) from exc
         return _store_form(result)
 
-    # --- publishing, also for Sweeper / Reconciler (consumer_idem.settle.Publisher) ----------
+    # --- publishing, also for Sweeper / Reconciler (consumer_idem.transports.settle.Publisher) ----
 
     async def publish_notice(
         self, scope: str, key: str, body: bytes, *, subscriber: Any = None
@@ -649,8 +649,8 @@ class Idempotency:
 
 
 class _Settler:
-    """The settle path's transport (``consumer_idem.settle.Transport``) for one subscriber:
-    a subscriber that is shutting down stops retrying publishes."""
+    """The settle path's transport (``consumer_idem.transports.settle.Transport``) for one
+    subscriber: a subscriber that is shutting down stops retrying publishes."""
 
     def __init__(
         self,
@@ -820,7 +820,7 @@ class _Middleware(BaseMiddleware):
             _CURRENT.reset(token)
 
     def _precheck(self, incoming: ConsumerMessage) -> Verdict | None:
-        from consumer_idem.rabbit import spent_deliveries
+        from consumer_idem.transports.rabbit import spent_deliveries
 
         limit = self.idem.max_deliveries
         count = spent_deliveries(incoming)

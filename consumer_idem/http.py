@@ -105,7 +105,7 @@ from consumer_idem.errors import (
 )
 from consumer_idem.fingerprint import fingerprint_bytes, fingerprint_json, parse_json
 from consumer_idem.metrics import Metrics
-from consumer_idem.store import PostgresStore
+from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.types import Decision, DecisionKind, OutcomeKind, StoredResponse
 
 log = logging.getLogger("consumer_idem.http")

@@ -229,14 +229,14 @@ class Delivery:
 
 class MemoryTransport:
     """A broker in memory, for :func:`deliver`: it implements the settle path's transport
-    contract (:class:`consumer_idem.settle.Transport`), so deliveries are carried out by the same
-    :func:`~consumer_idem.settle.settle` as on Kafka and RabbitMQ. ``publish_faults`` are raised
-    by the next publishes, one each (``None`` lets one through): :class:`PublishFailed` is
-    transient, :class:`PublishRefusedForGood` permanent. An ack of a delivery whose dead letter
-    or notice was not confirmed first fails the test on the spot."""
+    contract (:class:`consumer_idem.transports.settle.Transport`), so deliveries are carried out
+    by the same :func:`~consumer_idem.transports.settle.settle` as on Kafka and RabbitMQ.
+    ``publish_faults`` are raised by the next publishes, one each (``None`` lets one through):
+    :class:`PublishFailed` is transient, :class:`PublishRefusedForGood` permanent. An ack of a
+    delivery whose dead letter or notice was not confirmed first fails the test on the spot."""
 
     def __init__(self, store: Any, *, publish_faults: Sequence[BaseException | None] = ()) -> None:
-        from consumer_idem.settle import RunnerStats
+        from consumer_idem.transports.settle import RunnerStats
 
         self._store = store
         self.publish_faults = list(publish_faults)
@@ -312,12 +312,12 @@ class MemoryTransport:
 
     # what the reconciler and the sweeper use (``settle.Publisher``)
     async def publish_notice(self, scope: str, key: str, body: bytes) -> bool:
-        from consumer_idem import settle
+        from consumer_idem.transports import settle
 
         return await settle.publish_notice(self, scope, key, body, hold=False)
 
     async def redispatch(self, notice: Notice) -> bool:
-        from consumer_idem import settle
+        from consumer_idem.transports import settle
 
         return await settle.redispatch(self, notice)
 
@@ -335,13 +335,13 @@ async def deliver(
     retry_cap: float = 0.05,
 ) -> Delivery:
     """Deliver ``message`` until a verdict settles it, as a broker with at-least-once delivery
-    would, carrying each verdict out through :func:`consumer_idem.settle.settle` on
+    would, carrying each verdict out through :func:`consumer_idem.transports.settle.settle` on
     ``transport`` (a fresh :class:`MemoryTransport` by default): ``retry`` verdicts, exceptions,
     cancellations and publishes that did not complete are redelivered; the first
     ``crash_before_ack`` settling verdicts are lost before they are carried out (the process
     died after the commit), so the message comes again. Waits ``retry_after`` (at most
     ``retry_cap``) between deliveries."""
-    from consumer_idem.settle import Settled, settle
+    from consumer_idem.transports.settle import Settled, settle
 
     transport = transport or MemoryTransport(None)
     delivery = Delivery(message)

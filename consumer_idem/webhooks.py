@@ -36,7 +36,7 @@ from consumer_idem.errors import ConfigurationError, InvalidKey, NotUnknown, Sto
 from consumer_idem.execution import run_transactional
 from consumer_idem.fingerprint import fingerprint_payload, parse_json
 from consumer_idem.keys import normalize_key
-from consumer_idem.store import PostgresStore, Resolution
+from consumer_idem.stores.postgres.store import PostgresStore, Resolution
 from consumer_idem.types import OutcomeKind
 
 DEFAULT_TOLERANCE = 300

@@ -62,7 +62,7 @@ async def main(argv: list[str] | None = None) -> int:
 
     runner: object
     if args.transport == "kafka":
-        from consumer_idem.kafka import KafkaRunner
+        from consumer_idem.transports.kafka import KafkaRunner
 
         runner = KafkaRunner(
             consumer,
@@ -72,7 +72,7 @@ async def main(argv: list[str] | None = None) -> int:
             consumer_options={"session_timeout_ms": 10000, "heartbeat_interval_ms": 1000},
         )
     else:
-        from consumer_idem.rabbit import RabbitRunner
+        from consumer_idem.transports.rabbit import RabbitRunner
 
         runner = RabbitRunner(consumer, queue=args.topic)
     print(json.dumps({"event": "started", "transport": args.transport}), flush=True)

@@ -10,7 +10,7 @@ import sys
 import uuid
 from typing import Any
 
-from consumer_idem import migrate
+from consumer_idem.stores.postgres import migrate
 
 
 async def cli(*args: str, dsn: str | None = None, **env_extra: str) -> tuple[int, str, str]:

@@ -28,7 +28,7 @@ from consumer_idem import (
     StoredResponse,
     run_two_phase,
 )
-from consumer_idem.redis_store import RedisStore
+from consumer_idem.stores.redis import RedisStore
 
 FP = "v1:jcs:aaa"
 OTHER_FP = "v1:jcs:bbb"

@@ -36,7 +36,7 @@ from consumer_idem import (
 from consumer_idem.commit import savepoint
 from consumer_idem.errors import SchemaMissing, StoreUnavailable
 from consumer_idem.notice import make_notice
-from consumer_idem.pg_errors import kind_of
+from consumer_idem.stores.postgres.errors import kind_of
 
 FP = "v1:jcs:payload"
 

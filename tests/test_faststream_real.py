@@ -24,9 +24,9 @@ from faststream.rabbit import QueueType, RabbitBroker, RabbitQueue, RabbitRouter
 
 from consumer_idem import Ambiguous, PostgresStore, Status, header
 from consumer_idem.faststream import CurrentIdempotency, Idempotency, IdempotentConnection
-from consumer_idem.kafka import to_message
 from consumer_idem.notice import decode_notice
 from consumer_idem.settings import Settings
+from consumer_idem.transports.kafka import to_message
 from examples.payments_producer import plan, send_kafka, send_rabbit
 from handlers.payments import ensure_tables
 from tests._faststream import effect_count, write_effect

@@ -34,8 +34,8 @@ from consumer_idem import (
 )
 from consumer_idem.consumer import Action
 from consumer_idem.notice import encode_notice
-from consumer_idem.reconcile import Reconciler, StillUnknown, Sweeper
-from consumer_idem.replay import replay
+from consumer_idem.operations.reconcile import Reconciler, StillUnknown, Sweeper
+from consumer_idem.operations.replay import replay
 from consumer_idem.testing import (
     Delivery,
     Fault,
@@ -398,7 +398,7 @@ def test_the_matrix_is_as_large_as_the_readme_says() -> None:
 
 @pytest.fixture
 def no_publish_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    import consumer_idem.settle as settle_module
+    import consumer_idem.transports.settle as settle_module
 
     monkeypatch.setattr(settle_module, "PUBLISH_BACKOFF", Backoff(0.0, 0.0))
 

@@ -24,9 +24,9 @@ from consumer_idem import (
     header,
     idempotent_consumer,
 )
-from consumer_idem.kafka import KafkaRunner
-from consumer_idem.reconcile import Reconciler, StillUnknown, Sweeper
+from consumer_idem.operations.reconcile import Reconciler, StillUnknown, Sweeper
 from consumer_idem.settings import Settings
+from consumer_idem.transports.kafka import KafkaRunner
 from consumer_idem.types import Record
 from tests._payments import read_topic, send_raw, wait_until
 from tests._workers import park_and_die
@@ -286,7 +286,7 @@ async def test_rabbit_not_executed_redispatches_to_the_source_queue(
 ) -> None:
     import aio_pika
 
-    from consumer_idem.rabbit import RabbitRunner
+    from consumer_idem.transports.rabbit import RabbitRunner
 
     queue = f"rq-{uuid.uuid4().hex[:8]}"
     reconcile = f"{queue}.reconcile"

@@ -15,7 +15,7 @@ import pytest
 
 from consumer_idem import ConsumerMessage, NotExecuted, PostgresStore, Status
 from consumer_idem.notice import Notice, encode_notice
-from consumer_idem.reconcile import Reconciler, Sweeper
+from consumer_idem.operations.reconcile import Reconciler, Sweeper
 from consumer_idem.types import Record
 
 ORIGINAL = ConsumerMessage(b'{"amount": 7}', {"idempotency-key": b"pay-1", "trace": b"\xff\x00"})

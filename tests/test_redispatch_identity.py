@@ -36,13 +36,13 @@ from consumer_idem import (
     idempotent_consumer,
     kafka_coordinates,
 )
-from consumer_idem.kafka import KafkaRunner
-from consumer_idem.kafka import to_message as kafka_message
 from consumer_idem.notice import decode_notice, encode_notice
-from consumer_idem.rabbit import RabbitRunner
-from consumer_idem.reconcile import Reconciler
+from consumer_idem.operations.reconcile import Reconciler
 from consumer_idem.settings import Settings
 from consumer_idem.testing import MemoryTransport, deliver
+from consumer_idem.transports.kafka import KafkaRunner
+from consumer_idem.transports.kafka import to_message as kafka_message
+from consumer_idem.transports.rabbit import RabbitRunner
 from consumer_idem.types import Outcome, OutcomeKind, Record
 from tests._payments import wait_until
 from tests.conftest import unique
@@ -246,7 +246,7 @@ async def test_faststream_rabbit_redispatch_restores_the_amqp_properties(
     from faststream.rabbit import RabbitBroker
 
     from consumer_idem.faststream import Idempotency, _Settler
-    from consumer_idem.rabbit import to_message
+    from consumer_idem.transports.rabbit import to_message
 
     idem = Idempotency(store, broker=RabbitBroker(), scope=scope, declare=False)
     raw = SimpleNamespace(
@@ -320,7 +320,7 @@ async def test_faststream_kafka_redispatch_restores_the_record_key_and_coordinat
 
 
 def test_an_old_notice_still_decodes_and_redispatches() -> None:
-    from consumer_idem.rabbit import redispatch_message
+    from consumer_idem.transports.rabbit import redispatch_message
 
     old = json.dumps(
         {

@@ -32,13 +32,13 @@ from consumer_idem import (
     header,
     idempotent_consumer,
 )
-from consumer_idem.kafka import KafkaRunner
 from consumer_idem.notice import encode_notice
-from consumer_idem.reconcile import Reconciler, Sweeper
-from consumer_idem.replay import kafka_source, replay
+from consumer_idem.operations.reconcile import Reconciler, Sweeper
+from consumer_idem.operations.replay import kafka_source, replay
 from consumer_idem.settings import Settings
-from consumer_idem.settle import Settled, settle
 from consumer_idem.testing import Delivery, MemoryTransport, deliver
+from consumer_idem.transports.kafka import KafkaRunner
+from consumer_idem.transports.settle import Settled, settle
 from consumer_idem.types import Record
 from tests._payments import read_topic, send_raw, wait_until
 from tests.test_consumer_kafka import FAST, committed
@@ -228,7 +228,7 @@ async def test_an_armed_original_is_disarmed_when_its_key_is_parked_again(
 
 
 def test_a_dead_letter_copy_is_kept_for_the_topic_or_queue_it_came_from() -> None:
-    from consumer_idem.replay import dead_letter_original
+    from consumer_idem.operations.replay import dead_letter_original
 
     kafka_copy = ConsumerMessage(
         b"{}",

@@ -10,8 +10,8 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 
-from consumer_idem.resp import Endpoint, RespConnection, RespError, endpoint_of
 from consumer_idem.settings import Settings
+from consumer_idem.stores.resp import Endpoint, RespConnection, RespError, endpoint_of
 
 
 @pytest.fixture

@@ -17,12 +17,12 @@ from aiokafka import ConsumerRecord
 from aiokafka.errors import KafkaTimeoutError, MessageSizeTooLargeError, NotEnoughReplicasError
 
 from consumer_idem import Action, Backoff, Metrics, Verdict
-from consumer_idem.kafka import PERMANENT_ERRORS
-from consumer_idem.kafka import dead_letter_headers as kafka_headers
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import Notice
-from consumer_idem.rabbit import SPENT_DELIVERIES, permanent, spent_deliveries
-from consumer_idem.settle import (
+from consumer_idem.transports.kafka import PERMANENT_ERRORS
+from consumer_idem.transports.kafka import dead_letter_headers as kafka_headers
+from consumer_idem.transports.rabbit import SPENT_DELIVERIES, permanent, spent_deliveries
+from consumer_idem.transports.settle import (
     DEAD_LETTER_BODY_DROPPED,
     MAX_ERROR_HEADER,
     PublishRefused,
@@ -122,7 +122,7 @@ class Fake:
 @pytest.fixture(autouse=True)
 def fast(monkeypatch: pytest.MonkeyPatch) -> None:
     """No real sleeping between publish attempts."""
-    import consumer_idem.settle as module
+    import consumer_idem.transports.settle as module
 
     monkeypatch.setattr(module, "PUBLISH_BACKOFF", Backoff(0.0, 0.0))
 
@@ -275,7 +275,7 @@ def test_the_error_text_goes_into_the_dead_letter_headers_cut_to_size() -> None:
 
 
 def test_rabbit_dead_letter_headers_carry_the_error_and_the_dropped_size() -> None:
-    from consumer_idem.rabbit import dead_letter_headers
+    from consumer_idem.transports.rabbit import dead_letter_headers
 
     class Incoming:
         headers = {"x-dead-letter-error": "old", "idempotency-key": "k"}

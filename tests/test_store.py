@@ -15,9 +15,9 @@ from consumer_idem import (
     PrunePolicy,
     Status,
     StoreUnavailable,
-    migrate,
 )
 from consumer_idem.errors import SchemaMissing
+from consumer_idem.stores.postgres import migrate
 
 FP = "v1:jcs:aaa"
 OTHER_FP = "v1:jcs:bbb"

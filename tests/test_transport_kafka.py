@@ -25,8 +25,8 @@ from consumer_idem import (
     header,
     idempotent_consumer,
 )
-from consumer_idem.kafka import KafkaRunner
 from consumer_idem.settings import Settings
+from consumer_idem.transports.kafka import KafkaRunner
 from handlers.payments import ensure_tables, record_payment
 from tests._payments import ledger_count, payment, read_topic, send_raw, wait_until
 from tests.conftest import unique
@@ -245,7 +245,7 @@ async def test_a_worker_that_dies_is_logged_and_its_partition_resumes_from_what_
     items = [({"idempotency-key": f"d-{i}".encode()}, payment(run_id, i)) for i in range(5)]
     await send_raw(kafka_producer, topic, items)
     processor = FailsOnce(ledger(store, scope))
-    caplog.set_level(logging.ERROR, logger="consumer_idem.kafka")
+    caplog.set_level(logging.ERROR, logger="consumer_idem.transports.kafka")
     running = Running(
         KafkaRunner(processor, topics=[topic], group_id=run_id, consumer_options=FAST)
     )

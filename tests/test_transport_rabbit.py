@@ -21,8 +21,8 @@ from consumer_idem import (
     header,
     idempotent_consumer,
 )
-from consumer_idem.rabbit import RabbitRunner
 from consumer_idem.settings import Settings
+from consumer_idem.transports.rabbit import RabbitRunner
 from handlers.payments import ensure_tables, record_payment
 from tests._broker import Outage
 from tests._payments import ledger_count, payment, wait_until
@@ -246,7 +246,7 @@ async def test_a_processor_that_raises_is_logged_and_its_delivery_handed_back(
     scope: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.ERROR, logger="consumer_idem.rabbit")
+    caplog.set_level(logging.ERROR, logger="consumer_idem.transports.rabbit")
     await publish(channel, queue, "pay-1", payment(run_id, 1))
     processor = FailsOnce(ledger(store, scope))
     running = Running(RabbitRunner(processor, queue=queue, prefetch=1))

@@ -23,7 +23,7 @@ from rich.table import Table
 
 from consumer_idem.errors import StoreUnavailable
 from consumer_idem.settings import Settings, load_settings
-from consumer_idem.store import PostgresStore, PrunePolicy
+from consumer_idem.stores.postgres.store import PostgresStore, PrunePolicy
 
 T = TypeVar("T")
 
@@ -132,7 +132,7 @@ def transport_runner(
     """A runner consuming ``source``; its dead letters go to ``operator``; it announces
     reconciliation notices to ``source`` (a reconciler consumes its own notices)."""
     if transport is TransportName.kafka:
-        from consumer_idem.kafka import KafkaRunner
+        from consumer_idem.transports.kafka import KafkaRunner
 
         return KafkaRunner(
             processor,
@@ -141,7 +141,7 @@ def transport_runner(
             reconcile_topic=source,
             dead_letter_topic=operator,
         )
-    from consumer_idem.rabbit import RabbitRunner
+    from consumer_idem.transports.rabbit import RabbitRunner
 
     return RabbitRunner(processor, queue=source, reconcile_queue=source, dead_letter_queue=operator)
 
@@ -280,7 +280,12 @@ def build_app() -> Any:
         as_json: JsonOpt = False,
     ) -> None:
         """Once: park expired leases as unknown; with --transport, publish due notices."""
-        from consumer_idem.reconcile import Reconciler, StillUnknown, Sweeper, SweepReport
+        from consumer_idem.operations.reconcile import (
+            Reconciler,
+            StillUnknown,
+            Sweeper,
+            SweepReport,
+        )
 
         async def op(store: PostgresStore) -> dict[str, int]:
             if transport is None:
@@ -376,8 +381,8 @@ def build_app() -> Any:
         schema: SchemaOpt = None,
     ) -> None:
         """Run the reconciler and its sweeper until SIGTERM/SIGINT."""
-        from consumer_idem.reconcile import Reconciler, Sweeper
-        from consumer_idem.replay import load_target
+        from consumer_idem.operations.reconcile import Reconciler, Sweeper
+        from consumer_idem.operations.replay import load_target
 
         async def main() -> None:
             async with open_store(dsn, schema) as store:
@@ -438,7 +443,7 @@ def build_app() -> Any:
     ) -> None:
         """Run a dead-letter topic/queue through the idempotent handler: completed keys are
         skipped, unknown ones reported, the rest run once."""
-        from consumer_idem import replay as replaying
+        from consumer_idem.operations import replay as replaying
 
         settings = load_settings()
 

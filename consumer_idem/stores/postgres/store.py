@@ -23,8 +23,6 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from consumer_idem import migrate, pg_errors
-from consumer_idem.cache import CompletedCache
 from consumer_idem.commit import check_sql, commit, execute_and_commit, mark_sql, rollback
 from consumer_idem.errors import (
     ConsumerIdemError,
@@ -38,6 +36,9 @@ from consumer_idem.errors import (
 from consumer_idem.keys import normalize_key, validate_scope
 from consumer_idem.metrics import Metrics
 from consumer_idem.notice import Notice, PendingRedispatch, clean_properties
+from consumer_idem.stores.cache import CompletedCache
+from consumer_idem.stores.postgres import errors as pg_errors
+from consumer_idem.stores.postgres import migrate
 from consumer_idem.types import (
     Decision,
     DecisionKind,
@@ -47,7 +48,7 @@ from consumer_idem.types import (
     StoredResponse,
 )
 
-log = logging.getLogger("consumer_idem.store")
+log = logging.getLogger("consumer_idem.stores.postgres.store")
 
 T = TypeVar("T")
 

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from consumer_idem.errors import LeaseLost, NotUnknown, StoreUnavailable
 from consumer_idem.keys import normalize_key, validate_scope
 from consumer_idem.metrics import Metrics
-from consumer_idem.store import (
+from consumer_idem.stores.postgres.store import (
     DEFAULT_LEASE,
     Executed,
     Resolution,
@@ -42,7 +42,7 @@ from consumer_idem.types import (
     StoredResponse,
 )
 
-log = logging.getLogger("consumer_idem.redis_store")
+log = logging.getLogger("consumer_idem.stores.redis")
 T = TypeVar("T")
 
 # Shared Lua prologue: server time in ms, and the record as a table.

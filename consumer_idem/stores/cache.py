@@ -23,9 +23,9 @@ from consumer_idem.metrics import Metrics
 from consumer_idem.types import Record, ResultKind, Status, StoredResponse
 
 if TYPE_CHECKING:
-    from consumer_idem.resp import RespConnection
+    from consumer_idem.stores.resp import RespConnection
 
-log = logging.getLogger("consumer_idem.cache")
+log = logging.getLogger("consumer_idem.stores.cache")
 
 
 class CompletedCache:
@@ -34,9 +34,9 @@ class CompletedCache:
     and falls through to Postgres.
 
     With ``fast_path`` (the default) the cache sends its four commands over a pipelined
-    connection of its own (:mod:`consumer_idem.resp`) opened with the client's address, db and
-    credentials, because redis-py's per-command overhead is most of a cached duplicate's cost;
-    a client that needs more (TLS, a credential provider, Sentinel, Cluster) is used as it is.
+    connection of its own (:mod:`consumer_idem.stores.resp`) opened with the client's address,
+    db and credentials, because redis-py's per-command overhead is most of a cached duplicate's
+    cost; a client that needs more (TLS, a credential provider, Sentinel, Cluster) is used as it is.
     Call :meth:`aclose` when done with the cache; the client stays yours to close."""
 
     def __init__(
@@ -67,7 +67,7 @@ class CompletedCache:
         self._client_bounded = bool(client_timeout)
         self._fast: RespConnection | None = None
         if fast_path:  # imported here: the store must not need hiredis without a cache
-            from consumer_idem.resp import RespConnection, endpoint_of
+            from consumer_idem.stores.resp import RespConnection, endpoint_of
 
             endpoint = endpoint_of(redis)
             if endpoint is not None:

@@ -1,4 +1,4 @@
-"""Versioned SQL migrations shipped in ``consumer_idem/migrations``.
+"""Versioned SQL migrations shipped in ``consumer_idem/stores/postgres/migrations``.
 
 Every file ``NNNN_name.sql`` is applied once, in order, inside one transaction per run that
 holds an advisory lock, so several processes starting together migrate exactly once.
@@ -32,7 +32,7 @@ class Migration:
 
 def available() -> list[Migration]:
     found = []
-    for entry in resources.files("consumer_idem.migrations").iterdir():
+    for entry in resources.files("consumer_idem.stores.postgres.migrations").iterdir():
         match = _FILE.match(entry.name)
         if match:
             found.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))

@@ -52,10 +52,10 @@ from consumer_idem.consumer import Action, Verdict
 from consumer_idem.errors import ConsumerIdemError, StoreUnavailable
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import Notice, decode_notice
-from consumer_idem.store import PostgresStore
+from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.types import OutcomeKind, Status
 
-log = logging.getLogger("consumer_idem.settle")
+log = logging.getLogger("consumer_idem.transports.settle")
 
 #: the header a body-less dead-letter copy carries: the size in bytes of the dropped body
 DEAD_LETTER_BODY_DROPPED = "x-dead-letter-body-dropped"

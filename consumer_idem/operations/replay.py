@@ -39,11 +39,11 @@ from consumer_idem.errors import ConsumerIdemError, InvalidKey
 from consumer_idem.key_strategies import original_coordinates
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import ORIGINAL_QUEUE, Notice, make_notice
-from consumer_idem.settle import DEAD_LETTER_BODY_DROPPED, is_unknown
-from consumer_idem.store import PostgresStore
+from consumer_idem.stores.postgres.store import PostgresStore
+from consumer_idem.transports.settle import DEAD_LETTER_BODY_DROPPED, is_unknown
 from consumer_idem.types import Status
 
-log = logging.getLogger("consumer_idem.replay")
+log = logging.getLogger("consumer_idem.operations.replay")
 
 #: classification of one message, as the dry run predicts it and the replay reports it
 CATEGORIES = ("execute", "skip", "unknown", "in_progress", "misuse", "invalid", "failed")
@@ -181,7 +181,7 @@ def _amqp_properties(message: ConsumerMessage) -> dict[str, Any] | None:
         return None
     if not isinstance(message.raw, AbstractIncomingMessage):
         return None
-    from consumer_idem.rabbit import amqp_properties
+    from consumer_idem.transports.rabbit import amqp_properties
 
     return amqp_properties(message.raw)
 
@@ -249,7 +249,7 @@ async def kafka_source(
     start; each settled record's offset is committed (resumable), unless ``commit`` is False."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from consumer_idem.kafka import to_message
+    from consumer_idem.transports.kafka import to_message
 
     kafka = AIOKafkaConsumer(
         bootstrap_servers=bootstrap_servers,
@@ -299,7 +299,7 @@ async def rabbit_source(
     ``requeue_all`` for a dry run, all of them) go back to the queue at the end."""
     import aio_pika
 
-    from consumer_idem.rabbit import to_message
+    from consumer_idem.transports.rabbit import to_message
 
     connection = await aio_pika.connect(url)
     held: list[Any] = []

@@ -2,7 +2,8 @@
 
 * Ack only after the Postgres commit; at most ``prefetch`` unacked messages are in hand.
 * Dead-letter and reconciliation publishes wait for publisher confirms before the ack (one
-  settle path, ``consumer_idem.settle``); an unroutable publish is an error, not a success.
+  settle path, ``consumer_idem.transports.settle``); an unroutable publish is an error, not a
+  success.
 * Waiting is not failing. A delivery whose store is unavailable, or whose key another consumer
   holds, stays in hand and is processed again after a backoff, for up to ``max_hold`` seconds;
   then it is handed back as a confirmed copy at the tail of its queue (and the original acked),
@@ -35,7 +36,6 @@ from aio_pika.abc import (
     AbstractRobustConnection,
 )
 
-from consumer_idem import settle
 from consumer_idem.backoff import Backoff
 from consumer_idem.consumer import (
     DEAD_LETTER_ERROR,
@@ -51,10 +51,11 @@ from consumer_idem.message import ConsumerMessage, header_bytes
 from consumer_idem.notice import AMQP_PROPERTIES, KEY_HEADER, SCOPE_HEADER, Notice
 from consumer_idem.notice import ORIGINAL_QUEUE as ORIGINAL_QUEUE
 from consumer_idem.settings import load_settings
-from consumer_idem.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats
-from consumer_idem.store import PostgresStore
+from consumer_idem.stores.postgres.store import PostgresStore
+from consumer_idem.transports import settle
+from consumer_idem.transports.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats
 
-log = logging.getLogger("consumer_idem.rabbit")
+log = logging.getLogger("consumer_idem.transports.rabbit")
 
 DEFAULT_RECONCILE_QUEUE = "consumer_idem.reconcile"
 #: on a copy handed back after a long wait: the deliveries its original had already spent
@@ -327,7 +328,7 @@ class RabbitRunner:
         except Exception as exc:  # channel gone: the broker redelivers it anyway
             log.warning("could not hand back delivery %s: %r", message.delivery_tag, exc)
 
-    # --- the settle-path transport (consumer_idem.settle.Transport) ----------------------------
+    # --- the settle-path transport (consumer_idem.transports.settle.Transport) --------------------
 
     @property
     def store(self) -> PostgresStore:
@@ -410,12 +411,13 @@ class RabbitRunner:
             message, routing_key=routing_key, mandatory=True
         )
 
-    # --- publishing for the reconciler and the sweeper (consumer_idem.settle.Publisher) --------
+    # --- publishing for the reconciler and the sweeper (transports.settle.Publisher) ---
 
     async def publish_notice(self, scope: str, key: str, body: bytes) -> bool:
         """Publish a reconciliation notice (confirmed) and record that it was published. Used
         by the sweeper for notices that were never sent; raises
-        :class:`~consumer_idem.settle.PublishRefused` when the broker refuses it for good."""
+        :class:`~consumer_idem.transports.settle.PublishRefused` when the broker refuses it for
+        good."""
         return await settle.publish_notice(self, scope, key, body, hold=False)
 
     async def redispatch(self, notice: Notice) -> bool:

@@ -11,8 +11,8 @@
   coordinates and the reason in headers, and never block their partition.
 * ``unknown`` outcomes publish a notice to the reconciliation topic before the offset moves.
   Both publishes use ``acks="all"`` and an idempotent producer, and go through the one settle
-  path (``consumer_idem.settle``): a publish the broker has not acknowledged holds the offset
-  back; one it refuses for good (``MessageSizeTooLargeError``...) goes without the body.
+  path (``consumer_idem.transports.settle``): a publish the broker has not acknowledged holds
+  the offset back; one it refuses for good (``MessageSizeTooLargeError``...) goes without the body.
 * A worker that fails unexpectedly is logged with its traceback, counted in
   ``stats.failures``, and restarted after a backoff from the partition's first unsettled
   record (nothing after it was committed), so one bad partition neither stops the others nor
@@ -43,7 +43,6 @@ from aiokafka.errors import (
     UnsupportedForMessageFormatError,
 )
 
-from consumer_idem import settle
 from consumer_idem.backoff import Backoff
 from consumer_idem.consumer import (
     DEAD_LETTER_ERROR,
@@ -59,10 +58,11 @@ from consumer_idem.key_strategies import ORIGINAL_OFFSET, ORIGINAL_PARTITION, OR
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import KEY_HEADER, SCOPE_HEADER, Notice
 from consumer_idem.settings import load_settings
-from consumer_idem.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats, Settled
-from consumer_idem.store import PostgresStore
+from consumer_idem.stores.postgres.store import PostgresStore
+from consumer_idem.transports import settle
+from consumer_idem.transports.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats, Settled
 
-log = logging.getLogger("consumer_idem.kafka")
+log = logging.getLogger("consumer_idem.transports.kafka")
 
 DEFAULT_RECONCILE_TOPIC = "consumer_idem.reconcile"
 
@@ -346,7 +346,7 @@ class KafkaRunner:
                 if retry is not None and wait is not None:
                     await settle.settle(self, retry, wait)
 
-    # --- the settle-path transport (consumer_idem.settle.Transport) ----------------------------
+    # --- the settle-path transport (consumer_idem.transports.settle.Transport) --------------------
 
     @property
     def store(self) -> PostgresStore:
@@ -428,12 +428,13 @@ class KafkaRunner:
         # send_and_wait: returns once the broker acknowledged it (acks=all), raises otherwise
         await self._producer.send_and_wait(topic, value=value, key=key, headers=headers)
 
-    # --- publishing for the reconciler and the sweeper (consumer_idem.settle.Publisher) --------
+    # --- publishing for the reconciler and the sweeper (transports.settle.Publisher) ---
 
     async def publish_notice(self, scope: str, key: str, body: bytes) -> bool:
         """Publish a reconciliation notice (``acks=all``) and record that it was published.
         Used by the sweeper for notices that were never sent; raises
-        :class:`~consumer_idem.settle.PublishRefused` when the broker refuses it for good."""
+        :class:`~consumer_idem.transports.settle.PublishRefused` when the broker refuses it for
+        good."""
         return await settle.publish_notice(self, scope, key, body, hold=False)
 
     async def redispatch(self, notice: Notice) -> bool:

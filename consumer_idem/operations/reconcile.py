@@ -43,8 +43,8 @@ from consumer_idem.consumer import Action, Verdict
 from consumer_idem.errors import CommitRolledBack, NotUnknown, StoreUnavailable
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import Notice, decode_notice, encode_notice
-from consumer_idem.settle import Publisher, PublishRefused
-from consumer_idem.store import Executed, NotExecuted, PostgresStore
+from consumer_idem.stores.postgres.store import Executed, NotExecuted, PostgresStore
+from consumer_idem.transports.settle import Publisher, PublishRefused
 from consumer_idem.types import Record, Status
 
 log = logging.getLogger("consumer_idem.reconcile")

@@ -1,0 +1,1 @@
+"""What operators run: reconciliation of ``unknown`` keys and dead-letter replay."""
