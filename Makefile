@@ -3,14 +3,14 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
 
-.PHONY: venv services services-down demo test lint typecheck pytest bench clean
+.PHONY: venv services services-down demo test test-fast lint typecheck pytest bench clean docs package
 
 venv: $(VENV_STAMP)
 
 $(VENV_STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[all,testing]' --group dev
 	touch $@
 
 services: venv
@@ -20,8 +20,9 @@ services-down:
 	scripts/services down
 
 lint: venv
-	.venv/bin/ruff check consumer_idem handlers examples tests scripts benchmarks
-	.venv/bin/ruff format --check consumer_idem handlers examples tests scripts benchmarks
+	.venv/bin/ruff check consumer_idem handlers examples tests scripts benchmarks docs/snippets
+	.venv/bin/ruff format --check consumer_idem handlers examples tests scripts benchmarks docs/snippets
+	.venv/bin/lint-imports
 
 typecheck: venv
 	.venv/bin/mypy
@@ -29,14 +30,30 @@ typecheck: venv
 pytest: venv
 	.venv/bin/pytest
 
-test: venv lint typecheck services
+test: venv lint typecheck docs package services
 	.venv/bin/pytest
+	scripts/wheel-quickstart
+
+# Seconds, no service needed: the pure tests (keys, fingerprints, signatures, verdicts, options).
+test-fast: venv
+	.venv/bin/pytest -q -m "not services and not slow"
+
+# The docs site into site/ (git-ignored). --strict: a broken link or include fails the build.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
+
+# The wheel and sdist into dist/ (git-ignored), checked as the package index will render them.
+package: venv
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	.venv/bin/twine check --strict dist/*
 
 demo: venv services
 	$(PY) -m examples.demo
 
 bench: venv services
+	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m benchmarks.run
 
 clean:
-	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache .hypothesis site dist .venv-lower

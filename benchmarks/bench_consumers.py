@@ -1,15 +1,24 @@
-"""Consumers on a pre-filled topic / queue (20,000 messages), each running the demo effect
-(one ledger row + the account balance), measured in one run against plain baselines:
+"""Consumers on a pre-filled topic / queue, each running the demo effect (one ledger row + the
+account balance), measured in one run against plain baselines doing the same effect:
 
-Kafka (one partition, so "per partition" is the figure itself):
+Kafka, one partition (20,000 messages; "per partition" is the figure itself):
   (a) a plain aiokafka consumer: per fetched batch, the same set-based effect in one transaction,
       then one offset commit; no idempotency.
   (b) ``@idempotent_consumer``, one message per transaction (two statements per message).
-  (c) ``@idempotent_consumer`` in batch mode (one transaction per fetched batch).
+  (c) ``@idempotent_consumer`` in batch mode (one transaction per fetched batch), and the same
+      with ``offsets_in_postgres=True`` (the offset upserted in each batch's COMMIT).
+Kafka, eight partitions, one message per transaction: a plain aiokafka consumer with one worker
+per partition (all eight at once, like the runner) and an offset commit per 50 records, against
+``KafkaRunner``.
+FastStream on Kafka, one partition: the same subscriber (``AckPolicy.MANUAL``, the effect in a
+transaction, then the ack) with and without the ``Idempotency`` middleware.
+Kafka, horizontally: 1, 2 and 4 consumer processes of one group over eight partitions, batch
+mode (``benchmarks/kafka_scale.py``), with where the CPU went.
 RabbitMQ: plain aio-pika (prefetch 32, effect in a transaction, ack) vs. the decorator.
 
 Rates run from the first settled message to the last, so joining the group is not counted.
-Each run reads the whole topic with a new consumer group and, for the decorator, a new scope.
+Each run reads the topic with a new consumer group and, for the decorator, a new scope; a
+baseline and its subject alternate (three times each, medians) so both see the same machine.
 """
 
 from __future__ import annotations
@@ -23,12 +32,13 @@ from typing import Any
 
 import aio_pika
 import asyncpg
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
+from benchmarks import kafka_scale
 from benchmarks.common import entry, scratch_database
 from consumer_idem import PostgresStore, header, idempotent_consumer
-from consumer_idem.settings import load_settings
+from consumer_idem.cli.settings import load_settings
 from consumer_idem.transports.kafka import KafkaRunner, to_message
 from consumer_idem.transports.rabbit import RabbitRunner
 from consumer_idem.transports.rabbit import to_message as amqp_message
@@ -36,6 +46,13 @@ from examples.payments_producer import plan, send_kafka, send_rabbit
 from handlers.payments import ensure_tables, record_payment, record_payments
 
 N = 20_000
+#: one message per transaction on one partition runs at commit speed: a bounded count
+ONE_BY_ONE = 5_000
+#: eight partitions, one message per transaction (per run; three runs each side)
+P8 = 8_000
+#: FastStream, per message, a Kafka commit each (~6 ms on this broker; per run, three runs
+#: each side)
+FS_COUNT = 1_000
 
 
 class Clock:
@@ -90,8 +107,8 @@ async def plain_kafka(pool: asyncpg.Pool, topic: str) -> float:
     return clock.rate()
 
 
-async def timed(runner: Any) -> float:
-    """Run a runner until it has settled N messages; its rate from first to last."""
+async def timed(runner: Any, count: int = N) -> float:
+    """Run a runner until it has settled ``count`` messages; its rate from first to last."""
     clock = Clock()
     stop = asyncio.Event()
     task = asyncio.create_task(runner.run(stop))
@@ -102,7 +119,7 @@ async def timed(runner: Any) -> float:
         if runner.stats.processed > seen:
             clock.tick(runner.stats.processed - seen)
             seen = runner.stats.processed
-        return seen >= N
+        return seen >= count
 
     try:
         await until(done)
@@ -112,12 +129,215 @@ async def timed(runner: Any) -> float:
     return clock.rate()
 
 
-async def idempotent_kafka(store: PostgresStore, topic: str, batch: bool) -> float:
+async def idempotent_kafka(
+    store: PostgresStore,
+    topic: str,
+    batch: bool,
+    count: int = N,
+    offsets_in_postgres: bool = False,
+) -> float:
     consumer = idempotent_consumer(
         store, scope=f"bench-{uuid.uuid4().hex[:6]}", key=header("idempotency-key"), batch=batch
     )(record_payments if batch else record_payment)
-    runner = KafkaRunner(consumer, topics=[topic], group_id=f"idem-{uuid.uuid4().hex}")
-    return await timed(runner)
+    runner = KafkaRunner(
+        consumer,
+        topics=[topic],
+        group_id=f"idem-{uuid.uuid4().hex}",
+        offsets_in_postgres=offsets_in_postgres,
+        outbox_relay=None,
+    )
+    return await timed(runner, count)
+
+
+async def plain_kafka_per_partition(pool: asyncpg.Pool, topic: str, count: int) -> float:
+    """Plain aiokafka, one message per transaction, with the runner's concurrency: one worker
+    per partition (all at once), an offset commit after every 50 records."""
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=load_settings().kafka_bootstrap,
+        group_id=f"plain-{uuid.uuid4().hex}",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
+    await consumer.start()
+    clock = Clock()
+    queues: dict[TopicPartition, asyncio.Queue[list[Any]]] = {}
+    workers: list[asyncio.Task[None]] = []
+
+    async def work(tp: TopicPartition, queue: asyncio.Queue[list[Any]]) -> None:
+        while True:
+            records = await queue.get()
+            async with pool.acquire() as conn:  # one connection per chunk, like the runner
+                for record in records:
+                    async with conn.transaction():
+                        await record_payment(to_message(record), conn)
+                    clock.tick()
+            await consumer.commit({tp: records[-1].offset + 1})
+
+    try:
+        while clock.count < count:
+            fetched = await consumer.getmany(timeout_ms=100, max_records=500)
+            for tp, records in fetched.items():
+                if tp not in queues:
+                    queues[tp] = asyncio.Queue()
+                    workers.append(asyncio.create_task(work(tp, queues[tp])))
+                for i in range(0, len(records), 50):
+                    queues[tp].put_nowait(records[i : i + 50])
+                if queues[tp].qsize() >= 20:  # backpressure, as the runner pauses
+                    consumer.pause(tp)
+            for tp, queue in queues.items():
+                if queue.qsize() < 10 and tp in consumer.paused():
+                    consumer.resume(tp)
+            if not fetched:
+                await asyncio.sleep(0.005)
+    finally:
+        for worker in workers:
+            worker.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        await consumer.stop()
+    return clock.rate()
+
+
+async def faststream_kafka(
+    pool: asyncpg.Pool, store: PostgresStore, topic: str, idempotent: bool, count: int
+) -> float:
+    """One FastStream subscriber (``AckPolicy.MANUAL``), with or without the middleware: the
+    effect in a transaction, then the ack (a commit of the partition's offset, per message)."""
+    from faststream import AckPolicy
+    from faststream.kafka import KafkaBroker, KafkaMessage, KafkaRouter
+
+    from consumer_idem.faststream import CurrentIdempotency, Idempotency
+
+    broker = KafkaBroker(
+        load_settings().kafka_bootstrap, acks="all", enable_idempotence=True, logger=None
+    )
+    clock = Clock()
+    group = f"fs-{uuid.uuid4().hex}"
+    options: dict[str, Any] = {
+        "group_id": group,
+        "ack_policy": AckPolicy.MANUAL,
+        "auto_offset_reset": "earliest",
+    }
+    idem: Idempotency | None = None
+    if idempotent:
+        idem = Idempotency(
+            store, broker=broker, scope=f"fs-{uuid.uuid4().hex[:6]}", key=header("idempotency-key")
+        )
+        router = KafkaRouter(middlewares=[idem])
+
+        @router.subscriber(topic, **options)
+        async def idempotent_handler(body: dict[str, Any], current: CurrentIdempotency) -> None:
+            assert current.conn is not None
+            await record_payment(current.message, current.conn)
+
+    else:
+        router = KafkaRouter()
+
+        @router.subscriber(topic, **options)
+        async def plain_handler(body: dict[str, Any], message: KafkaMessage) -> None:
+            async with pool.acquire() as conn, conn.transaction():
+                await record_payment(to_message(message.raw_message), conn)
+            await message.ack()
+            clock.tick()
+
+    broker.include_router(router)
+    await broker.start()
+    seen = 0
+
+    def done() -> bool:
+        nonlocal seen
+        if idem is None:
+            return clock.count >= count
+        if idem.stats.processed > seen:
+            clock.tick(idem.stats.processed - seen)
+            seen = idem.stats.processed
+        return seen >= count
+
+    try:
+        await until(done)
+    finally:
+        await broker.stop()
+    return clock.rate()
+
+
+async def alternate(
+    rounds: int, baseline: Callable[[], Any], subject: Callable[[], Any]
+) -> tuple[float, float, list[float]]:
+    """Baseline and subject alternately (the first of a round alternates too); their median
+    rates and the ratio of each round, for the log."""
+    base: list[float] = []
+    subj: list[float] = []
+    for r in range(rounds):
+        if r % 2 == 0:
+            base.append(await baseline())
+            subj.append(await subject())
+        else:
+            subj.append(await subject())
+            base.append(await baseline())
+    ratios = [round(s / b, 2) for s, b in zip(subj, base, strict=True)]
+    return statistics.median(base), statistics.median(subj), ratios
+
+
+async def kafka_entries(
+    dsn: str, pool: asyncpg.Pool, store: PostgresStore, run_id: str
+) -> list[dict[str, Any]]:
+    settings = load_settings()
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    await admin.start()
+    one, eight = f"bench-payments-{run_id}", f"bench-payments-p8-{run_id}"
+    await admin.create_topics([NewTopic(one, 1, 1), NewTopic(eight, 8, 1)])
+    results: list[dict[str, Any]] = []
+    try:
+        await send_kafka(plan(N, 0.0, 1, run_id), one)
+        # single partition, batches: plain, idempotent, idempotent with offsets in Postgres,
+        # in turn (three rounds; the runs take seconds), medians
+        plains: list[float] = []
+        batches: list[float] = []
+        in_pg: list[float] = []
+        for _ in range(3):
+            plains.append(await plain_kafka(pool, one))
+            batches.append(await idempotent_kafka(store, one, batch=True))
+            in_pg.append(await idempotent_kafka(store, one, True, offsets_in_postgres=True))
+        plain, batched, batched_pg = (statistics.median(v) for v in (plains, batches, in_pg))
+        print(f"   batch rounds: plain {plains}, idempotent {batches}, in pg {in_pg}", flush=True)
+        # one message per transaction on one partition: bounded (it runs at commit speed)
+        one_by_one = await idempotent_kafka(store, one, batch=False, count=ONE_BY_ONE)
+        results += [
+            entry("kafka.plain_batch_commit.msgs_per_s", plain, "msg/s", None),
+            entry("kafka.idempotent.one_per_transaction.msgs_per_s", one_by_one, "msg/s", plain),
+            entry("kafka.idempotent.batch_mode.msgs_per_s", batched, "msg/s", plain),
+            entry("kafka.idempotent.offsets_in_postgres.batch_mode", batched_pg, "msg/s", plain),
+        ]
+
+        # eight partitions, one message per transaction, all partitions at once
+        await send_kafka(plan(P8, 0.0, 2, run_id), eight)
+        base, subject, ratios = await alternate(
+            3,
+            lambda: plain_kafka_per_partition(pool, eight, P8),
+            lambda: idempotent_kafka(store, eight, batch=False, count=P8),
+        )
+        print(f"   p8 ratios per round: {ratios}", flush=True)
+        results += [
+            entry("kafka.plain.one_per_transaction.p8", base, "msg/s", None),
+            entry("kafka.idempotent.one_per_transaction.p8", subject, "msg/s", base),
+        ]
+
+        # FastStream, one partition, per message (the first FS_COUNT records of the topic)
+        base, subject, ratios = await alternate(
+            3,
+            lambda: faststream_kafka(pool, store, one, False, FS_COUNT),
+            lambda: faststream_kafka(pool, store, one, True, FS_COUNT),
+        )
+        print(f"   faststream ratios per round: {ratios}", flush=True)
+        results += [
+            entry("faststream.kafka.plain", base, "msg/s", None),
+            entry("faststream.kafka.idempotent", subject, "msg/s", base),
+        ]
+    finally:
+        await admin.delete_topics([one, eight])
+        await admin.close()
+    results += await kafka_scale.run(dsn, run_id)
+    return results
 
 
 async def plain_rabbit(pool: asyncpg.Pool, queue: str) -> float:
@@ -151,7 +371,6 @@ async def idempotent_rabbit(store: PostgresStore, queue: str) -> float:
 
 
 async def run() -> list[dict[str, Any]]:
-    settings = load_settings()
     results: list[dict[str, Any]] = []
     async with scratch_database() as dsn:
         pool = await asyncpg.create_pool(dsn, min_size=4, max_size=40)
@@ -161,28 +380,7 @@ async def run() -> list[dict[str, Any]]:
         await store.migrate()
 
         run_id = uuid.uuid4().hex[:8]
-        topic = f"bench-payments-{run_id}"
-        admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
-        await admin.start()
-        await admin.create_topics([NewTopic(topic, 1, 1)])
-        messages = plan(N, 0.0, 1, run_id)
-        await send_kafka(messages, topic)
-        # plain and batch runs take seconds: alternate them (3 each) and take the medians, so
-        # both see the same machine; the one-per-transaction run takes ~25 s and runs once
-        plains: list[float] = []
-        batches: list[float] = []
-        for _ in range(3):
-            plains.append(await plain_kafka(pool, topic))
-            batches.append(await idempotent_kafka(store, topic, batch=True))
-        plain, batched = statistics.median(plains), statistics.median(batches)
-        one = await idempotent_kafka(store, topic, batch=False)
-        await admin.delete_topics([topic])
-        await admin.close()
-        results += [
-            entry("kafka.plain_batch_commit.msgs_per_s", plain, "msg/s", None),
-            entry("kafka.idempotent.one_per_transaction.msgs_per_s", one, "msg/s", plain),
-            entry("kafka.idempotent.batch_mode.msgs_per_s", batched, "msg/s", plain),
-        ]
+        results += await kafka_entries(dsn, pool, store, run_id)
 
         rates: list[float] = []
         for which in ("plain", "idempotent"):

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
-from consumer_idem.settings import load_settings
+from consumer_idem.cli.settings import load_settings
 
 RESULTS = Path(__file__).with_name("results.json")
 

@@ -18,8 +18,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from consumer_idem import PostgresStore
+from consumer_idem.cli.settings import load_settings
 from consumer_idem.http import IdempotencyMiddleware, idempotent
-from consumer_idem.settings import load_settings
 
 INSERT = "INSERT INTO bench_orders (item, qty) VALUES ($1, $2)"
 state: dict[str, Any] = {}

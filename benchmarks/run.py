@@ -13,7 +13,7 @@ from typing import Any
 
 from benchmarks.common import append_results
 
-BENCHMARKS = ["store", "consumers", "redis", "http"]
+BENCHMARKS = ["store", "consumers", "redis", "http", "sqlalchemy", "scale", "peer", "outbox"]
 
 
 async def main(names: list[str]) -> None:

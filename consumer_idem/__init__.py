@@ -1,16 +1,17 @@
 """consumer-idem: idempotent message consumers and HTTP endpoints on PostgreSQL.
 
-The public API is re-exported here; submodules are one concept each.
+The public API is re-exported here; submodules are one concept each. Integrations that need an
+optional client live in their own modules and are imported from there: the runners in
+``consumer_idem.transports.kafka`` / ``.rabbit``, ``consumer_idem.http``,
+``consumer_idem.webhooks``, ``consumer_idem.faststream``, ``consumer_idem.sqlalchemy``.
 """
 
-from consumer_idem.backoff import Backoff
 from consumer_idem.commit import savepoint
 from consumer_idem.consumer import (
     Action,
     IdempotentConsumer,
     Verdict,
     idempotent_consumer,
-    reconcile_notice,
 )
 from consumer_idem.errors import (
     Ambiguous,
@@ -18,16 +19,26 @@ from consumer_idem.errors import (
     ConfigurationError,
     ConsumerIdemError,
     DomainError,
+    IdempotencyConfigError,
     InvalidKey,
+    InvalidPayload,
+    KeyHeaderError,
     KeyInFlight,
     LeaseLost,
+    NoOutbox,
+    NotInTransaction,
     NotUnknown,
     PoisonMessage,
+    PublishRefused,
     Retryable,
     SchemaMissing,
+    SessionRolledBack,
     StoreRejected,
     StoreUnavailable,
+    StreamCutShort,
     UnstorableResult,
+    WebhookSecretError,
+    WebhookVerificationError,
 )
 from consumer_idem.execution import Attempt, run_transactional, run_two_phase
 from consumer_idem.fingerprint import (
@@ -45,26 +56,33 @@ from consumer_idem.key_strategies import (
     kafka_coordinates,
     payload_field,
 )
-from consumer_idem.keys import normalize_key, validate_scope
-from consumer_idem.message import ConsumerMessage, InvalidPayload
+from consumer_idem.message import ConsumerMessage
 from consumer_idem.metrics import Metrics
-from consumer_idem.settings import Settings, load_settings
+from consumer_idem.options import ConsumerOptions
+from consumer_idem.outbox import OutboxRelay, OutboxService, UnitOutbox, outbox_for
+from consumer_idem.stores.base import Store
 from consumer_idem.stores.cache import CompletedCache
-from consumer_idem.stores.postgres.store import (
-    Executed,
-    NotExecuted,
-    PostgresStore,
+from consumer_idem.stores.postgres.maintenance import (
+    KeyInfo,
+    KeyPage,
     PrunePolicy,
-    Resolution,
+    PruneReport,
+    ScopeCounts,
+    StoreStats,
+    SweepReport,
 )
+from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.stores.redis import RedisStore
-from consumer_idem.transports.settle import PublishRefused, RunnerStats
+from consumer_idem.transports.settle import RunnerStats
 from consumer_idem.types import (
     Decision,
     DecisionKind,
+    Executed,
+    NotExecuted,
     Outcome,
     OutcomeKind,
     Record,
+    Resolution,
     ResultKind,
     Status,
     StoredResponse,
@@ -74,29 +92,38 @@ __all__ = [
     "Action",
     "Ambiguous",
     "Attempt",
-    "Backoff",
     "CommitRolledBack",
     "CompletedCache",
     "ConfigurationError",
     "ConsumerIdemError",
     "ConsumerMessage",
+    "ConsumerOptions",
     "Decision",
     "DecisionKind",
     "DomainError",
     "Executed",
+    "IdempotencyConfigError",
     "IdempotentConsumer",
     "InvalidKey",
     "InvalidPayload",
+    "KeyHeaderError",
     "KeyInFlight",
+    "KeyInfo",
+    "KeyPage",
     "LeaseLost",
     "Metrics",
+    "NoOutbox",
     "NotExecuted",
+    "NotInTransaction",
     "NotUnknown",
+    "OutboxRelay",
+    "OutboxService",
     "Outcome",
     "OutcomeKind",
     "PoisonMessage",
     "PostgresStore",
     "PrunePolicy",
+    "PruneReport",
     "PublishRefused",
     "Record",
     "RedisStore",
@@ -105,13 +132,21 @@ __all__ = [
     "Retryable",
     "RunnerStats",
     "SchemaMissing",
-    "Settings",
+    "ScopeCounts",
+    "SessionRolledBack",
     "Status",
+    "Store",
     "StoreRejected",
+    "StoreStats",
     "StoreUnavailable",
     "StoredResponse",
+    "StreamCutShort",
+    "SweepReport",
+    "UnitOutbox",
     "UnstorableResult",
     "Verdict",
+    "WebhookSecretError",
+    "WebhookVerificationError",
     "amqp_message_id",
     "canonical_json",
     "cloudevents",
@@ -123,13 +158,10 @@ __all__ = [
     "header",
     "idempotent_consumer",
     "kafka_coordinates",
-    "load_settings",
-    "normalize_key",
+    "outbox_for",
     "payload_field",
-    "reconcile_notice",
     "run_transactional",
     "run_two_phase",
     "savepoint",
-    "validate_scope",
 ]
 __version__ = "0.1.0"

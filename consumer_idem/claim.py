@@ -43,12 +43,21 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 from uuid import UUID
 
 import asyncpg
 
-from consumer_idem.commit import check_sql, commit, execute_and_commit, new_mark, rollback
+from consumer_idem import tracing
+from consumer_idem.commit import (
+    Rider,
+    check_sql,
+    commit,
+    execute_and_commit,
+    mark_lost,
+    new_mark,
+    rollback,
+)
 from consumer_idem.errors import (
     Ambiguous,
     CommitRolledBack,
@@ -61,8 +70,11 @@ from consumer_idem.errors import (
     StoreUnavailable,
     UnstorableResult,
 )
+from consumer_idem.outbox import UnitOutbox, close_units, committed, open_unit
+from consumer_idem.stores.base import Store
 from consumer_idem.stores.postgres.errors import is_database_outage
-from consumer_idem.stores.postgres.store import PostgresStore, encode_result
+from consumer_idem.stores.postgres.store import PostgresStore
+from consumer_idem.stores.results import encode_result
 from consumer_idem.types import (
     Decision,
     DecisionKind,
@@ -99,41 +111,6 @@ class Attempt:
         the same on every attempt of this (scope, key), so the far side can dedupe as well."""
         digest = hashlib.sha256(f"{self.scope}\x00{self.key}".encode()).hexdigest()
         return f"ci-{digest[:40]}"
-
-
-class TwoPhaseStore(Protocol):
-    """What two-phase execution needs: PostgresStore or RedisStore."""
-
-    def check(self, scope: str, key: str | bytes) -> tuple[str, str]: ...
-
-    async def reserve(
-        self,
-        scope: str,
-        key: str | bytes,
-        fingerprint: str,
-        *,
-        lease: timedelta | float | None = None,
-        retention: timedelta | float | None = None,
-    ) -> Decision: ...
-
-    async def complete(
-        self,
-        scope: str,
-        key: str,
-        token: UUID,
-        result: Any = None,
-        *,
-        result_kind: ResultKind = ResultKind.SUCCESS,
-        retention: timedelta | float | None = None,
-    ) -> Record: ...
-
-    async def fail_retryable(
-        self, scope: str, key: str, token: UUID, error: str = ...
-    ) -> Record: ...
-
-    async def mark_unknown(self, scope: str, key: str, token: UUID, error: str = ...) -> Record: ...
-
-    async def get(self, scope: str, key: str) -> Record | None: ...
 
 
 def outcome_of(decision: Decision) -> Outcome:
@@ -274,6 +251,7 @@ class TransactionalClaim:
         lock_timeout_ms: int | None = None,
         domain_errors: bool = True,
         notify: bool = False,
+        rider: Rider | None = None,
     ) -> None:
         self.store = store
         self.conn = conn
@@ -284,6 +262,9 @@ class TransactionalClaim:
         self.lock_timeout_ms = lock_timeout_ms
         self.domain_errors = domain_errors
         self.notify = notify
+        #: a caller's statement committed with the completion (only with it: not with a
+        #: failure or a domain error, recorded in a transaction of their own)
+        self.rider = rider
         #: None: this phase owns the key; otherwise what the reservation decided
         self.decision: Decision | None = None
         #: the owner token when the key was re-acquired (``None`` for a fresh claim)
@@ -293,11 +274,14 @@ class TransactionalClaim:
         self.mark = new_mark()
         #: how the phase ended, once it has
         self.outcome: Outcome | None = None
+        #: the unit's outbox (``outbox_for(conn)``) while this phase owns the key
+        self.outbox: UnitOutbox | None = None
 
+    @tracing.traced("reserve")
     async def __aenter__(self) -> TransactionalClaim:
         store, conn = self.store, self.conn
         try:
-            claimed = await store.begin_and_claim(
+            claimed = await store.fast_path.begin_and_claim(
                 conn,
                 self.scope,
                 self.key,
@@ -321,12 +305,17 @@ class TransactionalClaim:
             if self.lock_timeout_ms is not None and is_lock_timeout(exc):
                 raise KeyInFlight(f"({self.scope!r}, {self.key!r}) is held right now") from exc
             raise
+        if self.decision is None:  # ours: what the work publishes commits with it
+            self.outbox = open_unit(conn, self.scope, self.key)
         return self
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self.outbox is not None:
+            close_units(self.conn)
         if self.outcome is None and self.decision is None:
             await rollback(self.conn)  # never leave our transaction open
 
+    @tracing.traced("commit")
     async def complete(
         self,
         result: Any = None,
@@ -344,16 +333,23 @@ class TransactionalClaim:
             return await self._ended_by_work(None)
         if encoded is _UNSET:
             encoded = encode_result(result)
-        then = notify_sql(store, scope, key) if self.notify else ""
+        outgoing = self.outbox.messages if self.outbox is not None else []
+        notify = notify_sql(store, scope, key) if self.notify else ""
+        rider = self.rider.sql if self.rider is not None else ""
         record: Record | None = None
         try:
+            # the work's outgoing messages: a few ride in the COMMIT's query (after its
+            # transaction check), many are copied just before it
+            insert = await _commit(store, conn, scope, store.outbox.stage(conn, outgoing))
+            then = "; ".join(s for s in (insert, notify, rider) if s)
             if self.token is None:
-                finish = store.finish_claimed(
+                finish = store.fast_path.finish_claimed(
                     conn, scope, key, encoded=encoded, response=response, then=then, mark=self.mark
                 )
                 await _commit(store, conn, scope, finish)
             else:
-                record = await _commit(store, conn, scope, self._complete_owned(result, response))
+                owned = self._complete_owned(result, response, then)
+                record = await _commit(store, conn, scope, owned)
         except LeaseLost as lost:
             # Our transaction holds the re-acquired row's lock, so no one else can have changed
             # it: the work rolled the transaction back (and began another). Nothing commits.
@@ -365,19 +361,27 @@ class TransactionalClaim:
             ended.__cause__ = lost
             return await self.fail(ended, _our_commit=True)
         except _Refused as refused:
+            if mark_lost(refused) and await self._claim_committed_by_work():
+                # COMMIT; BEGIN in the work: our claim (and what the work wrote before) is
+                # durable, the rest is rolled back here. Not a failure to retry: never again.
+                return await self._ended_by_work(refused.__cause__ or refused)
             log.warning(
-                "the commit did not happen (%s): the attempt is a failure",
+                "scope=%s key=%s: the commit did not happen (%s): the attempt is a failure",
+                scope,
+                key,
                 refused,
                 extra={"scope": scope, "key": key},
             )
             return await self.fail(refused.__cause__ or refused, _our_commit=True)
         if store.cache is not None:  # committed: safe to cache
-            cached = record or store.completed_record(
+            cached = record or store.fast_path.completed_record(
                 scope, key, self.fingerprint, encoded, self.retention
             )
             if record is None and response is not None:
                 cached = replace(cached, response=response)
             await store.remember(cached)
+        if self.rider is not None:
+            self.rider.committed()
         self.outcome = Outcome(
             kind=OutcomeKind.EXECUTED,
             scope=scope,
@@ -387,7 +391,20 @@ class TransactionalClaim:
             record=record,
             attempts=self.attempts,
         )
+        committed(store, outgoing)  # sent now by this process (or, failing that, a relay)
         return self.outcome
+
+    async def _claim_committed_by_work(self) -> bool:
+        """After a lost transaction mark: did a COMMIT of the work's commit our claim row (then
+        the work may have durable effects) or did the claim go with a ROLLBACK (then nothing
+        of the attempt is left, and it is an ordinary failure to retry)?"""
+        await rollback(self.conn)  # the transaction the work began is aborted: end it
+        record = await self.store.get(self.scope, self.key)
+        if record is None:
+            return False
+        if self.token is None:  # our INSERT claimed the key: a completed row is ours
+            return record.status is Status.COMPLETED
+        return record.status is Status.IN_PROGRESS and record.owner_token == self.token
 
     async def _ended_by_work(self, exc: BaseException | None) -> Outcome:
         """The work sent COMMIT or ROLLBACK on the claim's connection itself. What it wrote
@@ -396,16 +413,26 @@ class TransactionalClaim:
         it (then the record says so), the key is parked as ``unknown`` for reconciliation."""
         scope, key = self.scope, self.key
         log.error(
-            "the work ended the idempotency transaction itself (COMMIT or ROLLBACK on the "
-            "claim's connection): parking the key as unknown; never end it in a handler",
+            "scope=%s key=%s: the work ended the idempotency transaction itself (COMMIT or "
+            "ROLLBACK on the claim's connection): parking the key as unknown; never end it in "
+            "a handler",
+            scope,
+            key,
             extra={"scope": scope, "key": key},
         )
         why = "the handler ended the idempotency transaction itself"
-        record = await self.store.record_failure(
+        record = await self.store.fast_path.record_failure(
             scope, key, self.fingerprint, "unknown", why, retention=self.retention, conn=self.conn
         )
         if record is None:  # its COMMIT committed our claim: that record is the truth
             record = await self.store.get(scope, key)
+            if (
+                record is not None
+                and self.token is not None
+                and record.status is Status.IN_PROGRESS
+                and record.owner_token == self.token
+            ):  # our re-acquired lease, committed by the work: park it now, not at expiry
+                record = await self.store.mark_unknown(scope, key, self.token, why)
         if record is not None and record.status is Status.COMPLETED:
             self.outcome = Outcome(
                 OutcomeKind.REPLAYED, scope, key, record.result, record.result_kind, record
@@ -415,7 +442,9 @@ class TransactionalClaim:
         self.outcome = failed_outcome(record, scope, key, error, OutcomeKind.UNKNOWN, True)
         return self.outcome
 
-    async def _complete_owned(self, result: Any, response: StoredResponse | None) -> Record:
+    async def _complete_owned(
+        self, result: Any, response: StoredResponse | None, then: str
+    ) -> Record:
         assert self.token is not None
         record = await self.store.complete(
             self.scope,
@@ -427,11 +456,12 @@ class TransactionalClaim:
             conn=self.conn,
         )
         check = check_sql(self.mark)
-        if self.notify:
-            check += "; " + notify_sql(self.store, self.scope, self.key)
+        if then:  # the outbox's INSERT, a NOTIFY
+            check += "; " + then
         await execute_and_commit(self.conn, check)
         return record
 
+    @tracing.traced("commit")
     async def fail(
         self, exc: BaseException, error: str | None = None, *, _our_commit: bool = False
     ) -> Outcome:
@@ -461,14 +491,25 @@ class TransactionalClaim:
         if isinstance(exc, PoisonMessage):
             # Nothing is recorded: the key stays as it was (free, for a new one), so a corrected
             # copy with another payload can run. The consumer logs and dead-letters it.
-            log.debug("poison message rolled back: %r", exc, extra={"scope": scope, "key": key})
+            log.debug(
+                "scope=%s key=%s: poison message rolled back: %r",
+                scope,
+                key,
+                exc,
+                extra={"scope": scope, "key": key},
+            )
             self.outcome = failed_outcome(None, scope, key, exc, OutcomeKind.FAILED_RETRYABLE)
             return self.outcome
         status = "unknown" if isinstance(exc, Ambiguous) else "failed_retryable"
         log.warning(
-            "transactional work failed (%s): %r", status, exc, extra={"scope": scope, "key": key}
+            "scope=%s key=%s: transactional work failed, rolled back and recorded as %s: %r",
+            scope,
+            key,
+            status,
+            exc,
+            extra={"scope": scope, "key": key},
         )
-        record = await store.record_failure(
+        record = await store.fast_path.record_failure(
             scope,
             key,
             self.fingerprint,
@@ -487,7 +528,7 @@ class TransactionalClaim:
 
     async def _domain_error(self, exc: DomainError) -> Outcome:
         store, scope, key = self.store, self.scope, self.key
-        record = await store.complete_new(
+        record = await store.fast_path.complete_new(
             scope,
             key,
             self.fingerprint,
@@ -540,7 +581,7 @@ class TwoPhaseClaim:
 
     def __init__(
         self,
-        store: TwoPhaseStore,
+        store: Store,
         scope: str,
         key: str,
         fingerprint: str,
@@ -560,6 +601,7 @@ class TwoPhaseClaim:
         #: set when :meth:`reserve` granted execution
         self.attempt: Attempt | None = None
 
+    @tracing.traced("reserve")
     async def reserve(self) -> Decision:
         """Phase one: ``execute`` (this attempt owns the key: see ``attempt``) or the answer
         for someone else's key (replay, misuse, in progress, unknown)."""
@@ -577,6 +619,7 @@ class TwoPhaseClaim:
             raise RuntimeError("this attempt does not own the key: reserve() did not execute")
         return self.token
 
+    @tracing.traced("commit")
     async def complete(
         self,
         result: Any = None,
@@ -670,6 +713,7 @@ class TwoPhaseClaim:
         await store.remember(record)  # committed now
         return record
 
+    @tracing.traced("commit")
     async def fail_retryable(self, exc: BaseException) -> Outcome:
         """The work provably did not happen: the next attempt may re-acquire the key."""
         try:
@@ -681,6 +725,26 @@ class TwoPhaseClaim:
         await self._wake()
         return failed_outcome(record, self.scope, self.key, exc, OutcomeKind.FAILED_RETRYABLE)
 
+    @tracing.traced("commit")
+    async def poison(self, exc: PoisonMessage) -> Outcome:
+        """The work refused the message as one it can never process (raised before any
+        external call): the key is left as the attempt found it, as a rolled-back transactional
+        attempt leaves it. Free again after a first attempt, so a corrected copy can run;
+        ``failed_retryable`` after earlier ones. The consumer dead-letters the delivery."""
+        try:
+            record: Record | None = None
+            if self.attempt is not None and self.attempt.number <= 1:
+                await self.store.evict(self.scope, self.key, token=self._token())
+            else:
+                record = await self.store.fail_retryable(
+                    self.scope, self.key, self._token(), error_code(exc)
+                )
+        except LeaseLost as lost:
+            return await self._fenced(lost, ran=False)
+        await self._wake()
+        return failed_outcome(record, self.scope, self.key, exc, OutcomeKind.FAILED_RETRYABLE)
+
+    @tracing.traced("commit")
     async def park(self, exc: BaseException) -> Outcome:
         """The work may have had its effect: park the record as ``unknown`` for reconciliation
         (shielded from cancellation; a cancellation is re-raised once the record is safe)."""
@@ -705,7 +769,8 @@ class TwoPhaseClaim:
         record = await self.store.get(self.scope, self.key)
         parked_now = False
         if record is None and ran:
-            record_failure = getattr(self.store, "record_failure", None)  # Postgres only
+            fast_path = getattr(self.store, "fast_path", None)  # Postgres only
+            record_failure = None if fast_path is None else fast_path.record_failure
             if record_failure is not None:
                 record = await record_failure(
                     self.scope,
@@ -720,7 +785,9 @@ class TwoPhaseClaim:
         else:
             kind = OutcomeKind.FAILED_RETRYABLE if record is None else _NOW[record.status]
         log.warning(
-            "lease lost (%s): the record is %s",
+            "scope=%s key=%s: lease lost (%s): the record is %s",
+            self.scope,
+            self.key,
             lost,
             "gone" if record is None else record.status,
             extra={"scope": self.scope, "key": self.key},

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from consumer_idem.errors import CommitRolledBack
@@ -57,6 +58,16 @@ async def rollback(conn: Any) -> None:
         log.debug("rollback failed", exc_info=True)
 
 
+@dataclass(frozen=True, slots=True)
+class Rider:
+    """A caller's own statement that commits with a unit of work, sent in the round trip of
+    its COMMIT (the Kafka runner's consumed offset, with ``offsets_in_postgres``), and what
+    to do once that COMMIT has succeeded. ``sql``: simple protocol, no parameters."""
+
+    sql: str
+    committed: Callable[[], None]
+
+
 #: the transaction-local setting that marks a transaction the library opened
 MARK_SETTING = "consumer_idem.tx"
 
@@ -71,15 +82,27 @@ def mark_sql(mark: str) -> str:
     return f"SET LOCAL {MARK_SETTING} = '{mark}'"
 
 
+#: the text of the error :func:`check_sql` raises (inside PostgreSQL's own error message)
+MARK_LOST = "consumer-idem: the handler ended the idempotency transaction itself"
+
+
 def check_sql(mark: str) -> str:
     """Sent right before COMMIT: fails unless this is still the transaction marked ``mark``.
     (The failing branch depends on a setting, so the planner cannot fold it into an error.)"""
     current = f"current_setting('{MARK_SETTING}', true)"
     return (
-        f"SELECT CASE WHEN {current} IS DISTINCT FROM '{mark}' THEN ('consumer-idem: the "
-        f"handler ended the idempotency transaction itself (COMMIT or ROLLBACK on its "
-        f"connection) ' || coalesce({current}, ''))::int END"
+        f"SELECT CASE WHEN {current} IS DISTINCT FROM '{mark}' THEN ('{MARK_LOST} "
+        f"(COMMIT or ROLLBACK on its connection) ' || coalesce({current}, ''))::int END"
     )
+
+
+def mark_lost(exc: BaseException | None) -> bool:
+    """Did ``exc`` (or an error it was raised from) come from a failed :func:`check_sql`?"""
+    while exc is not None:
+        if MARK_LOST in str(exc):
+            return True
+        exc = exc.__cause__
+    return False
 
 
 @asynccontextmanager

@@ -14,17 +14,26 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, Unpack, overload
 
 import asyncpg
 
+from consumer_idem import tracing
 from consumer_idem.backoff import Backoff
-from consumer_idem.commit import check_sql, commit, execute_and_commit, mark_sql, new_mark, rollback
+from consumer_idem.commit import (
+    Rider,
+    check_sql,
+    commit,
+    execute_and_commit,
+    mark_sql,
+    new_mark,
+    rollback,
+)
 from consumer_idem.errors import (
     InvalidKey,
+    InvalidPayload,
     PoisonMessage,
     StoreRejected,
     StoreUnavailable,
@@ -32,30 +41,23 @@ from consumer_idem.errors import (
 )
 from consumer_idem.execution import (
     Attempt,
-    LocalWrites,
     outcome_of,
     run_transactional,
     run_two_phase,
 )
 from consumer_idem.fingerprint import fingerprint_bytes, fingerprint_json
 from consumer_idem.key_strategies import (
-    KeyStrategy,
-    amqp_message_id,
-    cloudevents,
     describe,
-    first_of,
-    header,
 )
-from consumer_idem.message import ConsumerMessage, InvalidPayload
+from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import encode_notice
-from consumer_idem.stores.postgres.store import PostgresStore, encode_result
+from consumer_idem.options import ConsumerArgs, ConsumerOptions, Mode
+from consumer_idem.outbox import backpressure, close_units, committed, open_batch, pending
+from consumer_idem.stores.postgres.store import PostgresStore
+from consumer_idem.stores.results import encode_result
 from consumer_idem.types import DecisionKind, Outcome, OutcomeKind, ResultKind
 
 log = logging.getLogger("consumer_idem.consumer")
-
-#: Tried in order when no ``key=`` is given. Kafka coordinates are deliberately not a default:
-#: a producer's retry is a new record at a new offset, so it would never be caught as a duplicate.
-DEFAULT_KEY = first_of(header("idempotency-key"), cloudevents(), amqp_message_id())
 
 TransactionalHandler = Callable[[ConsumerMessage, asyncpg.Connection], Awaitable[Any]]
 TwoPhaseHandler = Callable[[ConsumerMessage, Attempt], Awaitable[Any]]
@@ -93,6 +95,8 @@ class Verdict:
     duplicate: bool = False
     #: for a dead letter: the error text behind ``reason`` (goes into the dead-letter headers)
     error: str | None = None
+    #: the span context of the delivery's span (``consumer_idem.tracing``): settling continues it
+    trace_context: Any = field(default=None, compare=False, repr=False)
 
     @property
     def result(self) -> Any:
@@ -126,6 +130,34 @@ def notice_reason(verdict: Verdict) -> str | None:
     return (record.last_error if record else None) or verdict.reason
 
 
+class CommitHook(Protocol):
+    """A runner's own record of progress, committed with the deliveries it covers: the Kafka
+    runner's consumed offset (``KafkaRunner(offsets_in_postgres=True)``). Transactional mode
+    only; the consumer adds it to a transaction only while every delivery of the run up to
+    that one is settled by the commit alone (executed, or a plain duplicate): never past one
+    that still has a dead letter, a notice or an original to publish or keep."""
+
+    def statement(self, upto: ConsumerMessage) -> str:
+        """SQL (simple protocol, no parameters) recording that the run is settled up to and
+        including ``upto``."""
+        ...
+
+    def committed(self, upto: ConsumerMessage) -> None:
+        """The transaction carrying :meth:`statement` for ``upto`` has committed."""
+        ...
+
+
+def settled_by_commit(verdict: Verdict) -> bool:
+    """Whether the transport only has to ack this verdict: nothing to publish or keep first
+    (a dead letter, a reconciliation notice, the original of an ``unknown`` outcome)."""
+    outcome = verdict.outcome
+    return (
+        verdict.action is Action.ACK
+        and not verdict.reconcile
+        and (outcome is None or outcome.kind is not OutcomeKind.UNKNOWN)
+    )
+
+
 class Processor(Protocol):
     """What a transport runner drives: an :class:`IdempotentConsumer`, or the reconciler."""
 
@@ -133,9 +165,10 @@ class Processor(Protocol):
     scope: str
     batch: bool
 
-    async def process(self, message: ConsumerMessage) -> Verdict: ...
+    # plain defs returning awaitables: a wrapped (traced) coroutine function matches as well
+    def process(self, message: ConsumerMessage) -> Awaitable[Verdict]: ...
 
-    async def process_batch(self, messages: Sequence[ConsumerMessage]) -> list[Verdict]: ...
+    def process_batch(self, messages: Sequence[ConsumerMessage]) -> Awaitable[list[Verdict]]: ...
 
 
 class IdempotentConsumer:
@@ -147,27 +180,9 @@ class IdempotentConsumer:
         handler: Callable[..., Awaitable[Any]],
         *,
         store: PostgresStore,
-        scope: str,
-        key: KeyStrategy = DEFAULT_KEY,
-        mode: Literal["transactional", "two_phase"] = "transactional",
-        batch: bool = False,
-        payload: Literal["json", "bytes"] = "json",
-        fingerprint_fields: Sequence[str] | None = None,
-        local_writes: LocalWrites | None = None,
-        max_attempts: int = 5,
-        lease: timedelta | float | None = None,
-        retention: timedelta | float | None = None,
-        on_invalid_key: Literal["dead_letter", "raise"] = "dead_letter",
-        backoff: tuple[float, float] = (0.2, 30.0),
+        options: ConsumerOptions,
     ) -> None:
-        if batch and mode != "transactional":
-            raise ValueError(
-                "batch mode commits many messages in one transaction: transactional only"
-            )
-        if local_writes is not None and mode != "two_phase":
-            raise ValueError(
-                "local_writes belongs to two-phase mode (transactional handlers write on conn)"
-            )
+        scope = options.scope
         store.check(scope, "probe")  # a missing or bad scope fails at decoration time
         if not _is_async(handler):
             raise TypeError(
@@ -177,18 +192,22 @@ class IdempotentConsumer:
             )
         self.handler = handler
         self.store = store
+        self.options = options
+        # unpacked once: read on every delivery
         self.scope = scope
-        self.key = key
-        self.mode = mode
-        self.batch = batch
-        self.payload = payload
-        self.fingerprint_fields = list(fingerprint_fields) if fingerprint_fields else None
-        self.local_writes = local_writes
-        self.max_attempts = max_attempts
-        self.lease = lease
-        self.retention = retention
-        self.on_invalid_key = on_invalid_key
-        self.backoff_base, self.backoff_max = backoff
+        self.key = options.key
+        self.mode = options.mode
+        self.batch = options.batch
+        self.payload = options.payload
+        self.fingerprint_fields = (
+            list(options.fingerprint_fields) if options.fingerprint_fields else None
+        )
+        self.local_writes = options.local_writes
+        self.max_attempts = options.max_attempts
+        self.lease = options.lease
+        self.retention = options.retention
+        self.on_invalid_key = options.on_invalid_key
+        self.backoff_base, self.backoff_max = options.backoff
         self._retry_backoff = Backoff(self.backoff_base, self.backoff_max)
         self._store_failures = 0
         self._outage_since: float | None = None
@@ -224,7 +243,18 @@ class IdempotentConsumer:
         self._outage_since = None
 
     def prepare(self, message: ConsumerMessage) -> tuple[str, str] | Verdict:
-        """Key and fingerprint of a message, or the dead-letter verdict explaining why not."""
+        """Key and fingerprint of a message, or the dead-letter verdict explaining why not.
+        Computed once per message object: a runner may call it ahead (the Kafka runner does,
+        for fetched records, while the partition's previous transaction is in flight)."""
+        memo = message._prepared
+        if memo is not None and memo[0] is self:
+            prepared: tuple[str, str] | Verdict = memo[1]
+            return prepared
+        prepared = self._prepare(message)
+        object.__setattr__(message, "_prepared", (self, prepared))
+        return prepared
+
+    def _prepare(self, message: ConsumerMessage) -> tuple[str, str] | Verdict:
         try:
             raw_key = self.key(message)
             if raw_key is None:
@@ -234,14 +264,20 @@ class IdempotentConsumer:
             self.metrics.inc("invalid_key", self.scope)
             if self.on_invalid_key == "raise":
                 raise
-            log.warning("dead-lettering: %s", exc, extra={"scope": self.scope})
+            log.debug("scope=%s: no valid key: %s", self.scope, exc, extra={"scope": self.scope})
             return Verdict(Action.DEAD_LETTER, self.scope, reason=f"invalid_key:{exc.reason}")
         if self.payload == "bytes":
             return key, fingerprint_bytes(message.body)
         try:
             value = message.json()
         except InvalidPayload as exc:
-            log.warning("dead-lettering: %s", exc, extra={"scope": self.scope, "key": key})
+            log.debug(
+                "scope=%s key=%s: not JSON: %s",
+                self.scope,
+                key,
+                exc,
+                extra={"scope": self.scope, "key": key},
+            )
             return Verdict(Action.DEAD_LETTER, self.scope, key, reason="invalid_json")
         try:
             return key, fingerprint_json(value, self.fingerprint_fields)
@@ -262,13 +298,20 @@ class IdempotentConsumer:
                 Action.RETRY, scope, key, outcome, reason="in_progress", retry_after=wait
             )
         if kind is OutcomeKind.MISUSE:
-            log.warning("key reused with another payload", extra={"scope": scope, "key": key})
+            log.info(
+                "scope=%s key=%s: key reused with another payload",
+                scope,
+                key,
+                extra={"scope": scope, "key": key},
+            )
             return Verdict(Action.DEAD_LETTER, scope, key, outcome, reason="key_misuse")
         if kind is OutcomeKind.FAILED_RETRYABLE and isinstance(outcome.error, _DETERMINISTIC):
             # running it again gives the same failure: dead-letter now, with the cause
             error = outcome.error
-            log.warning(
-                "%s: %s",
+            log.info(
+                "scope=%s key=%s: %s: %s",
+                scope,
+                key,
                 "poison message" if isinstance(error, PoisonMessage) else error.reason,
                 error,
                 extra={"scope": scope, "key": key},
@@ -278,8 +321,10 @@ class IdempotentConsumer:
             )
         if kind is OutcomeKind.FAILED_RETRYABLE:
             if outcome.attempts >= self.max_attempts:
-                log.warning(
-                    "giving up after %d attempts: %r",
+                log.info(
+                    "scope=%s key=%s: giving up after %d attempts: %r",
+                    scope,
+                    key,
                     outcome.attempts,
                     outcome.error,
                     extra={"scope": scope, "key": key},
@@ -308,7 +353,9 @@ class IdempotentConsumer:
 
     def _store_rejected(self, exc: StoreRejected, key: str | None) -> Verdict:
         log.error(
-            "store rejected the delivery's data, dead-lettering: %s",
+            "scope=%s key=%s: the store rejected the delivery's data: %s",
+            self.scope,
+            key,
             exc,
             extra={"scope": self.scope, "key": key},
         )
@@ -317,7 +364,11 @@ class IdempotentConsumer:
     def _store_down(self, exc: StoreUnavailable, key: str | None) -> Verdict:
         self._store_failures += 1
         log.warning(
-            "store unavailable, will retry: %s", exc, extra={"scope": self.scope, "key": key}
+            "scope=%s key=%s: store unavailable, will retry: %s",
+            self.scope,
+            key,
+            exc,
+            extra={"scope": self.scope, "key": key},
         )
         return Verdict(
             Action.RETRY,
@@ -327,27 +378,36 @@ class IdempotentConsumer:
             retry_after=self._outage_backoff(),
         )
 
+    @tracing.traced_delivery
     async def process(
-        self, message: ConsumerMessage, conn: asyncpg.Connection | None = None
+        self,
+        message: ConsumerMessage,
+        conn: asyncpg.Connection | None = None,
+        rider: Rider | None = None,
     ) -> Verdict:
         """Run one delivery through the store (one transaction in transactional mode).
-        ``conn``: a connection to use instead of a pooled one (transactional mode)."""
+        ``conn``: a connection to use instead of a pooled one (transactional mode). ``rider``:
+        a statement committed with the completion (transactional mode; see
+        :func:`~consumer_idem.execution.run_transactional`)."""
         prepared = self.prepare(message)
         if isinstance(prepared, Verdict):
             return prepared
-        return await self.execute(message, *prepared, conn=conn)
+        return await self.execute(message, *prepared, conn=conn, rider=rider)
 
+    @tracing.traced_delivery
     async def execute(
         self,
         message: ConsumerMessage,
         key: str,
         fingerprint: str,
         conn: asyncpg.Connection | None = None,
+        rider: Rider | None = None,
     ) -> Verdict:
         """:meth:`process` after :meth:`prepare`: for a transport that needs the key first."""
         try:
             if self.mode == "two_phase":
 
+                @tracing.traced("handler")
                 async def action(attempt: Attempt) -> Any:
                     return await self.handler(message, attempt)
 
@@ -363,6 +423,7 @@ class IdempotentConsumer:
                 )
             else:
 
+                @tracing.traced("handler")
                 async def in_tx(conn: asyncpg.Connection) -> Any:
                     if not self.batch:
                         return await self.handler(message, conn)
@@ -377,40 +438,50 @@ class IdempotentConsumer:
                     in_tx,
                     retention=self.retention,
                     conn=conn,
+                    rider=rider,
                 )
         except StoreUnavailable as exc:
             return self._store_down(exc, key)
         except StoreRejected as exc:
             return self._store_rejected(exc, key)
         self._store_up()
+        if conn is None:  # holding no connection: wait while the outbox dispatch is behind
+            await backpressure(self.store, self.scope)
         return self.verdict(outcome)
 
     # --- many messages -------------------------------------------------------------------------
 
-    async def process_batch(self, messages: Sequence[ConsumerMessage]) -> list[Verdict]:
+    async def process_batch(
+        self, messages: Sequence[ConsumerMessage], hook: CommitHook | None = None
+    ) -> list[Verdict]:
         """Verdicts for a run of messages from one ordered stream (a Kafka partition), in order.
 
         The list stops at the first RETRY: what follows must wait for it, to keep the order.
         In batch mode the whole run is claimed, handled and completed in one transaction; if any
-        part of that fails, it falls back to one message per transaction.
+        part of that fails, it falls back to one message per transaction. ``hook``: the
+        runner's progress, committed with the transactions (see :class:`CommitHook`).
         """
+        await backpressure(self.store, self.scope)  # the outbox dispatch is not far behind
         if not self.batch:
-            return await self._one_by_one(messages)
+            return await self._one_by_one(messages, hook)
         try:
-            return await self._as_one_transaction(messages)
+            return await self._as_one_transaction(messages, hook)
         except StoreUnavailable as exc:
             return [self._store_down(exc, None)]
         except Exception as exc:  # a member failed: find it by running them one by one
             log.info(
-                "batch of %d failed (%r); falling back to one by one",
+                "scope=%s: batch of %d failed (%r); falling back to one by one",
+                self.scope,
                 len(messages),
                 exc,
                 extra={"scope": self.scope},
             )
             # fresh copies: the rolled-back attempt may have changed the decoded bodies in place
-            return await self._one_by_one([message.fresh() for message in messages])
+            return await self._one_by_one([message.fresh() for message in messages], hook)
 
-    async def _one_by_one(self, messages: Sequence[ConsumerMessage]) -> list[Verdict]:
+    async def _one_by_one(
+        self, messages: Sequence[ConsumerMessage], hook: CommitHook | None = None
+    ) -> list[Verdict]:
         verdicts: list[Verdict] = []
         if self.mode == "two_phase":  # no connection is held across external I/O
             for message in messages:
@@ -421,8 +492,11 @@ class IdempotentConsumer:
         try:
             # one connection for the run: a pooled acquire/release per message costs a round trip
             async with self.store.connection() as conn:
+                clean = hook is not None  # every delivery so far is settled by its commit
                 for message in messages:
-                    verdicts.append(await self.process(message, conn))
+                    rider = _rider(hook, message) if clean else None
+                    verdicts.append(await self.process(message, conn, rider))
+                    clean = clean and settled_by_commit(verdicts[-1])
                     # a dead connection fails every later message too: hand the rest back
                     if verdicts[-1].action is Action.RETRY or conn.is_closed():
                         break
@@ -430,7 +504,10 @@ class IdempotentConsumer:
             verdicts.append(self._store_down(exc, None))
         return verdicts
 
-    async def _as_one_transaction(self, messages: Sequence[ConsumerMessage]) -> list[Verdict]:
+    @tracing.traced_batch
+    async def _as_one_transaction(
+        self, messages: Sequence[ConsumerMessage], hook: CommitHook | None = None
+    ) -> list[Verdict]:
         n = len(messages)
         verdicts: list[Verdict | None] = [None] * n
         first_seen: dict[str, tuple[int, str]] = {}
@@ -450,13 +527,22 @@ class IdempotentConsumer:
         run: list[int] = []
         tokens: dict[int, Any] = {}
         cut: int | None = None  # a member that must wait: nothing after it may run first
+        upto: ConsumerMessage | None = None  # the last member the runner's hook covers
         async with self.store.connection() as conn:
             try:
                 mark = new_mark()  # checked by the COMMIT: the handler must not end this
-                await conn.execute(f"BEGIN; {mark_sql(mark)}")
-                keys = list(first_seen)
-                claimed = await self.store.claim_many(
-                    conn, self.scope, keys, [first_seen[k][1] for k in keys], self.retention
+                begin = f"BEGIN; {mark_sql(mark)}"
+                await conn.execute(begin)
+                # sorted: concurrent batches (RabbitMQ's prefetch window holds several) take
+                # the unique-index locks of shared keys in one order, so they never deadlock
+                keys = sorted(first_seen)
+                claimed = await self.store.fast_path.claim_many(
+                    conn,
+                    self.scope,
+                    keys,
+                    [first_seen[k][1] for k in keys],
+                    self.retention,
+                    restart=begin,
                 )
                 for key, (i, fingerprint) in first_seen.items():
                     if key in claimed:
@@ -480,16 +566,24 @@ class IdempotentConsumer:
                 await rollback(conn)
                 raise
             if cut is None:
+                # the runner's progress commits with the members settled by this commit alone
+                settled = _settled_prefix(len(messages), verdicts, run, repeats, first_seen)
+                upto = messages[settled - 1] if hook is not None and settled else None
+                rider = hook.statement(upto) if hook is not None and upto is not None else ""
                 try:
-                    results = await self._run_claimed(conn, messages, run, tokens, key_at, mark)
+                    results = await self._run_claimed(
+                        conn, messages, run, tokens, key_at, mark, rider
+                    )
                 except _EndedByHandler:
                     return await self._park_ended(conn, messages, run, key_at, first_seen)
         if cut is not None:
-            head = await self._as_one_transaction(messages[:cut]) if cut else []
+            head = await self._as_one_transaction(messages[:cut], hook) if cut else []
             waiting = verdicts[cut]
             assert waiting is not None
             return head if len(head) < cut else [*head, waiting]
         self._store_up()
+        if hook is not None and upto is not None:
+            hook.committed(upto)
         for i, result in zip(run, results, strict=True):
             key = key_at[i]
             outcome = Outcome(
@@ -538,15 +632,16 @@ class IdempotentConsumer:
         parked as ``unknown`` (with a notice), unless its claim was committed by the handler's
         own COMMIT (then it is done). The other members are left to the next delivery."""
         log.error(
-            "the batch handler ended the idempotency transaction itself (COMMIT or ROLLBACK): "
-            "parking its %d members as unknown; never end it in a handler",
+            "scope=%s: the batch handler ended the idempotency transaction itself (COMMIT or "
+            "ROLLBACK): parking its %d members as unknown; never end it in a handler",
+            self.scope,
             len(run),
             extra={"scope": self.scope},
         )
         parked: dict[int, Verdict] = {}
         for i in run:  # every member first: none of them may run again
             key = key_at[i]
-            record = await self.store.record_failure(
+            record = await self.store.fast_path.record_failure(
                 self.scope,
                 key,
                 first_seen[key][1],
@@ -580,12 +675,15 @@ class IdempotentConsumer:
         tokens: dict[int, Any],
         key_at: dict[int, str],
         mark: str,
+        rider: str = "",
     ) -> list[Any]:
         """Batch mode, inside the open transaction: the handler over the claimed members, their
-        results, then a checked COMMIT. Rolls back and raises on any failure."""
+        results, then a checked COMMIT (with the messages they published: each member is its
+        own unit, ``outbox_for(conn, message)``). Rolls back and raises on any failure."""
+        units = open_batch(conn, self.scope, [(messages[i], key_at[i]) for i in run])
         try:
             if not run:  # every member was decided by its record: nothing to hand the handler
-                await commit(conn)
+                await (execute_and_commit(conn, rider) if rider else commit(conn))
                 return []
             results = list(await self.handler([messages[i] for i in run], conn) or [])
             if not conn.is_closed() and not conn.is_in_transaction():
@@ -605,17 +703,58 @@ class IdempotentConsumer:
                 elif enc is not None:
                     store_keys.append(key)
                     store_values.append(enc)
-            await self.store.store_results(conn, self.scope, store_keys, store_values)
-            # still our transaction (the handler did not end and restart it), then COMMIT,
-            # whose answer is checked: an aborted transaction answers ROLLBACK, not done
-            await execute_and_commit(conn, check_sql(mark))
+            await self.store.fast_path.store_results(conn, self.scope, store_keys, store_values)
+            # still our transaction (the handler did not end and restart it), then the
+            # outgoing messages and COMMIT, whose answer is checked: an aborted transaction
+            # answers ROLLBACK, not done
+            outgoing = pending(units)
+            insert = await self.store.outbox.stage(conn, outgoing)  # a COPY for many
+            check = check_sql(mark)
+            await execute_and_commit(conn, "; ".join(s for s in (check, insert, rider) if s))
         except BaseException:
             await rollback(conn)
             raise
+        finally:
+            close_units(conn)
+        committed(self.store, outgoing)  # sent now (or, failing that, by a relay)
         return results
 
     async def __call__(self, message: ConsumerMessage) -> Verdict:
         return await self.process(message)
+
+
+def _rider(hook: CommitHook | None, message: ConsumerMessage) -> Rider | None:
+    if hook is None:
+        return None
+    return Rider(hook.statement(message), lambda: hook.committed(message))
+
+
+def _settled_prefix(
+    n: int,
+    verdicts: Sequence[Verdict | None],
+    run: Sequence[int],
+    repeats: Sequence[tuple[int, int, str, str]],
+    first_seen: Mapping[str, tuple[int, str]],
+) -> int:
+    """Batch mode, before the COMMIT: how many leading members that COMMIT settles on its own
+    (run members, plain duplicates), stopping at the first with something left to publish or
+    keep (a dead letter, a notice, an ``unknown`` outcome) or to wait for."""
+    running = set(run)
+    repeat_of = {i: (first, fp == first_seen[key][1]) for i, first, key, fp in repeats}
+
+    def settled(i: int) -> bool:
+        if i in running:
+            return True
+        if i in repeat_of:
+            first, same = repeat_of[i]
+            return same and settled(first)
+        verdict = verdicts[i]
+        return verdict is not None and settled_by_commit(verdict)
+
+    for i in range(n):
+        if not settled(i):
+            return i
+    return n
 
 
 class _EndedByHandler(Exception):
@@ -637,23 +776,48 @@ def _is_async(handler: Callable[..., Any]) -> bool:
     )
 
 
+@overload
 def idempotent_consumer(
     store: PostgresStore,
     *,
     scope: str,
-    key: KeyStrategy = DEFAULT_KEY,
-    mode: Literal["transactional", "two_phase"] = "transactional",
+    mode: Literal["transactional"] = "transactional",
+    batch: Literal[False] = False,
+    **options: Unpack[ConsumerArgs],
+) -> Callable[[TransactionalHandler], IdempotentConsumer]: ...
+
+
+@overload
+def idempotent_consumer(
+    store: PostgresStore,
+    *,
+    scope: str,
+    mode: Literal["transactional"] = "transactional",
+    batch: Literal[True],
+    **options: Unpack[ConsumerArgs],
+) -> Callable[[BatchHandler], IdempotentConsumer]: ...
+
+
+@overload
+def idempotent_consumer(
+    store: PostgresStore,
+    *,
+    scope: str,
+    mode: Literal["two_phase"],
+    batch: Literal[False] = False,
+    **options: Unpack[ConsumerArgs],
+) -> Callable[[TwoPhaseHandler], IdempotentConsumer]: ...
+
+
+def idempotent_consumer(
+    store: PostgresStore,
+    *,
+    scope: str,
+    mode: Mode = "transactional",
     batch: bool = False,
-    payload: Literal["json", "bytes"] = "json",
-    fingerprint_fields: Sequence[str] | None = None,
-    local_writes: LocalWrites | None = None,
-    max_attempts: int = 5,
-    lease: timedelta | float | None = None,
-    retention: timedelta | float | None = None,
-    on_invalid_key: Literal["dead_letter", "raise"] = "dead_letter",
-    backoff: tuple[float, float] = (0.2, 30.0),
-) -> Callable[[Callable[..., Awaitable[Any]]], IdempotentConsumer]:
-    """Make a message handler idempotent.
+    **options: Unpack[ConsumerArgs],
+) -> Callable[[Any], IdempotentConsumer]:
+    """Make a message handler idempotent. The handler's signature follows the mode:
 
     * ``mode="transactional"`` (default): ``async def handler(message, conn)`` does its writes on
       ``conn``; they commit in the same transaction as the idempotency record.
@@ -663,29 +827,13 @@ def idempotent_consumer(
     * ``batch=True`` (transactional): ``async def handler(messages, conn) -> results | None``
       handles a whole fetched run in one transaction (use ``executemany``).
 
-    ``key`` is a key strategy (see ``consumer_idem.key_strategies``); a message without a valid
-    key is dead-lettered with the reason (or raises, with ``on_invalid_key="raise"``). With
-    ``payload="json"`` (default) a body that is not JSON is dead-lettered as ``invalid_json``;
-    the fingerprint is RFC 8785 canonical JSON (of ``fingerprint_fields`` only, if given).
-    ``max_attempts`` bounds retries of provably-not-executed failures before dead-lettering.
+    The other keyword arguments are the fields of :class:`ConsumerOptions` (key strategy,
+    payload, fingerprint fields, attempts, lease, retention, backoff), checked here: a bad
+    combination fails at decoration time, not on the first message.
     """
+    settings = ConsumerOptions(scope=scope, mode=mode, batch=batch, **options)
 
     def wrap(handler: Callable[..., Awaitable[Any]]) -> IdempotentConsumer:
-        return IdempotentConsumer(
-            handler,
-            store=store,
-            scope=scope,
-            key=key,
-            mode=mode,
-            batch=batch,
-            payload=payload,
-            fingerprint_fields=fingerprint_fields,
-            local_writes=local_writes,
-            max_attempts=max_attempts,
-            lease=lease,
-            retention=retention,
-            on_invalid_key=on_invalid_key,
-            backoff=backoff,
-        )
+        return IdempotentConsumer(handler, store=store, options=settings)
 
     return wrap

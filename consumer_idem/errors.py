@@ -1,23 +1,33 @@
-"""The library's exceptions. Every one it raises sits under :class:`ConsumerIdemError`::
+"""The library's exceptions, all defined here. Every one it raises sits under
+:class:`ConsumerIdemError`::
 
 ConsumerIdemError
-├── ConfigurationError            set up so it could not keep its promise (at start-up)
-│   ├── http: ConfigurationError  (the same class, re-exported there)
-│   ├── webhooks.WebhookSecretError
-│   └── faststream.IdempotencyConfigError
-├── InvalidKey (ValueError)       a key or scope the store will not hold
-├── StoreUnavailable              an outage: wait, never proceed unprotected
-├── SchemaMissing                 run `consumer-idem migrate`
-├── StoreRejected                 the database refuses the data: dead-letter, do not wait
-├── CommitRolledBack              COMMIT answered ROLLBACK: a handler failure
-├── UnstorableResult (TypeError)  a result that cannot be stored as JSON
-├── LeaseLost                     fenced out: the record is no longer this owner's
-├── KeyInFlight                   another transaction is claiming the key right now
-├── NotUnknown                    resolve() of a record that is not unknown
-├── settle.PublishRefused         a broker refused a publish for good
-├── http.StreamCutShort           a streamed response ended before it was settled
+├── ConfigurationError (ValueError)  set up so it could not keep its promise (at start-up)
+│   ├── WebhookSecretError           a webhook signing secret that cannot work
+│   └── IdempotencyConfigError       a FastStream subscriber that cannot be made idempotent
+├── InvalidKey (ValueError)          a key or scope the store will not hold
+│   └── KeyHeaderError               a malformed ``Idempotency-Key`` header (HTTP 400)
+├── InvalidPayload (ValueError)      a body that is not what the consumer declared: poison
+├── WebhookVerificationError         a webhook signature that does not verify (400 / 401)
+├── StoreUnavailable                 an outage: wait, never proceed unprotected
+├── SchemaMissing                    run ``consumer-idem migrate``
+├── StoreRejected                    the database refuses the data: dead-letter, do not wait
+├── CommitRolledBack                 COMMIT answered ROLLBACK: a handler failure
+├── UnstorableResult (TypeError)     a result that cannot be stored as JSON
+├── LeaseLost                        fenced out: the record is no longer this owner's
+├── KeyInFlight                      another transaction is claiming the key right now
+├── NotUnknown                       resolve() of a record that is not unknown
+├── PublishRefused                   a broker refused a publish for good
+├── StreamCutShort                   a streamed HTTP response ended before it was settled
+├── NotInTransaction (RuntimeError)  an HTTP request with no idempotency transaction to write in
+├── SessionRolledBack                a bound SQLAlchemy session rolled the unit back
+├── NoOutbox (RuntimeError)          ``outbox_for(conn)`` where no idempotent unit runs
 └── raised by handlers to classify their outcome:
     Retryable, Ambiguous, DomainError, PoisonMessage
+
+The modules that raise them re-export them (``consumer_idem.http.KeyHeaderError`` is this
+``KeyHeaderError``). Only the test kit's simulated broker errors (``testing.PublishFailed``,
+``testing.PublishRefusedForGood``) stand outside: they stand for a broker client's own errors.
 """
 
 from __future__ import annotations
@@ -52,6 +62,69 @@ class LeaseLost(ConsumerIdemError):
     """The caller's owner token no longer holds the record: the lease expired and the record was
     taken over (parked as ``unknown``, resolved or evicted). The caller must not report an outcome.
     """
+
+
+class KeyHeaderError(InvalidKey):
+    """An ``Idempotency-Key`` header that is not a valid RFC 8941 string or token."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("invalid_key_header", message)
+
+
+class InvalidPayload(ConsumerIdemError, ValueError):
+    """The body is not what the consumer declared (e.g. not JSON): a poison message."""
+
+
+class WebhookVerificationError(ConsumerIdemError):
+    """A webhook whose signature does not verify. ``status`` is 400 (malformed) or 401 (wrong or
+    stale signature); ``reason`` is the short machine-readable cause."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+class WebhookSecretError(ConfigurationError):
+    """A signing secret that cannot work: refused when the verifier is built."""
+
+
+class IdempotencyConfigError(ConfigurationError):
+    """A FastStream subscriber configured in a way that cannot be made idempotent."""
+
+
+class PublishRefused(ConsumerIdemError):
+    """A broker refused a publish for good: the same bytes to the same destination will be
+    refused again (too large, invalid or unauthorised destination)."""
+
+    def __init__(self, destination: str, cause: BaseException) -> None:
+        super().__init__(f"publish to {destination} refused for good: {cause!r}")
+        self.destination = destination
+        self.cause = cause
+
+
+class NotInTransaction(ConsumerIdemError, RuntimeError):
+    """An HTTP request has no idempotency transaction to write in: it carries no
+    Idempotency-Key (make the key ``required`` on the route), its route is two-phase, or it was
+    let through unprotected (fail-open)."""
+
+
+class SessionRolledBack(ConsumerIdemError):
+    """The handler's bound SQLAlchemy session rolled back (``session.rollback()``, a failed
+    flush): the whole idempotent unit was rolled back with it, and nothing of it committed. The
+    delivery is ``failed_retryable`` and runs again."""
+
+
+class StreamCutShort(ConsumerIdemError):
+    """A streamed response's outcome could not be committed (or recorded) after its body was
+    sent: its last message is withheld and the response is aborted, so the client sees a
+    broken response (an error, as every HTTP client reports one), never a complete one."""
+
+
+class NoOutbox(ConsumerIdemError, RuntimeError):
+    """``outbox_for(conn)`` on a connection that runs no transactional idempotent unit (or, in
+    batch mode, without naming the message the outgoing one belongs to): nothing would commit
+    the message with an effect, so it is refused instead of being sent unguarded."""
 
 
 class KeyInFlight(ConsumerIdemError):

@@ -22,11 +22,13 @@ from consumer_idem.claim import (
     Attempt,
     TransactionalClaim,
     TwoPhaseClaim,
-    TwoPhaseStore,
     outcome_of,
 )
-from consumer_idem.errors import DomainError, Retryable
-from consumer_idem.stores.postgres.store import PostgresStore, encode_result
+from consumer_idem.commit import Rider
+from consumer_idem.errors import DomainError, PoisonMessage, Retryable
+from consumer_idem.stores.base import Store
+from consumer_idem.stores.postgres.store import PostgresStore
+from consumer_idem.stores.results import encode_result
 from consumer_idem.types import DecisionKind, Outcome, ResultKind
 
 __all__ = [
@@ -34,7 +36,6 @@ __all__ = [
     "LocalWrites",
     "TransactionalHandler",
     "TwoPhaseAction",
-    "TwoPhaseStore",
     "outcome_of",
     "run_transactional",
     "run_two_phase",
@@ -59,6 +60,7 @@ async def run_transactional(
     *,
     retention: timedelta | float | None = None,
     conn: asyncpg.Connection | None = None,
+    rider: Rider | None = None,
 ) -> Outcome:
     """Claim, run ``handler(conn)`` and complete in one transaction, then commit.
 
@@ -75,7 +77,8 @@ async def run_transactional(
     handler's statements, result+COMMIT); a key that already has a row goes through
     :meth:`PostgresStore.reserve` inside the same transaction. Pass ``conn`` (not in a
     transaction) to run on a connection you hold, e.g. one per consumer worker, instead of a
-    pooled one.
+    pooled one. ``rider``: a statement of yours committed with the completion, in the same
+    round trip (see :class:`~consumer_idem.commit.Rider`).
     """
     scope, key = store.check(scope, key)
     cached = await store.cached_decision(scope, key, fingerprint)
@@ -83,7 +86,9 @@ async def run_transactional(
         return outcome_of(cached)
     async with (
         store.connection(conn) as conn,
-        TransactionalClaim(store, conn, scope, key, fingerprint, retention=retention) as claim,
+        TransactionalClaim(
+            store, conn, scope, key, fingerprint, retention=retention, rider=rider
+        ) as claim,
     ):
         if claim.decision is not None:
             return outcome_of(claim.decision)
@@ -96,7 +101,7 @@ async def run_transactional(
 
 
 async def run_two_phase(
-    store: TwoPhaseStore,
+    store: Store,
     scope: str,
     key: str | bytes,
     fingerprint: str,
@@ -110,7 +115,9 @@ async def run_two_phase(
 
     ``local_writes(conn, result)``, if given, runs in the completion's transaction, so local rows
     commit with the completion. Outcomes by exception: :class:`Retryable` -> ``failed_retryable``;
-    :class:`DomainError` -> ``completed`` with the error result; :class:`Ambiguous` or any other
+    :class:`DomainError` -> ``completed`` with the error result; :class:`PoisonMessage` (raise
+    it before the external call) -> the key as it was, the delivery dead-lettered;
+    :class:`Ambiguous` or any other
     exception (the I/O may have started, including a builtin ``TimeoutError`` or
     ``ConnectionError``) -> ``unknown``. Cancellation also parks as ``unknown``. A completion
     that cannot be written after the action succeeded (local writes failed, the commit rolled
@@ -131,6 +138,8 @@ async def run_two_phase(
         result = await action(claim.attempt)
     except Retryable as exc:
         return await claim.fail_retryable(exc)
+    except PoisonMessage as exc:  # refused before any external call: dead-lettered, not parked
+        return await claim.poison(exc)
     except DomainError as exc:
         return await claim.complete(exc.result, result_kind=ResultKind.DOMAIN_ERROR)
     except (Exception, asyncio.CancelledError) as exc:

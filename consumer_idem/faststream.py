@@ -55,9 +55,8 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
-from datetime import timedelta
 from types import TracebackType
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Protocol, Unpack
 
 import asyncpg
 from faststream import BaseMiddleware, Context, Response, StreamMessage
@@ -65,17 +64,26 @@ from faststream.exceptions import AckMessage, NackMessage, RejectMessage
 from faststream.message import AckStatus
 
 from consumer_idem.consumer import (
-    DEFAULT_KEY,
     Action,
     IdempotentConsumer,
     Verdict,
     reconcile_notice,
 )
-from consumer_idem.errors import ConfigurationError, PoisonMessage
-from consumer_idem.execution import Attempt, LocalWrites
-from consumer_idem.key_strategies import KeyStrategy
+from consumer_idem.errors import (
+    IdempotencyConfigError,
+    PoisonMessage,
+)
+from consumer_idem.execution import Attempt
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import KEY_HEADER, SCOPE_HEADER, Notice
+from consumer_idem.options import ConsumerArgs, ConsumerOptions, Mode
+from consumer_idem.outbox import (
+    OutgoingMessage,
+    UnitOutbox,
+    attach_dispatcher,
+    outbox_for,
+    send_all,
+)
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.transports import settle
 from consumer_idem.transports.settle import RunnerStats
@@ -100,18 +108,19 @@ class IdempotencyContext:
     conn: asyncpg.Connection | None = None
     #: two-phase mode: the attempt (``attempt.downstream_key`` for the far side)
     attempt: Attempt | None = None
+    #: transactional mode: the unit's outbox (what is published there commits with it)
+    outbox: UnitOutbox | None = None
 
 
 #: the open transaction's connection, for a handler parameter: ``conn: IdempotentConnection``
 IdempotentConnection = Annotated[asyncpg.Connection, Context(f"{CONTEXT_NAME}.conn")]
 #: the two-phase attempt, for a handler parameter: ``attempt: IdempotentAttempt``
 IdempotentAttempt = Annotated[Attempt, Context(f"{CONTEXT_NAME}.attempt")]
+#: the unit's outbox (transactional mode), for a handler parameter: ``outbox: IdempotentOutbox``;
+#: its messages go out through the broker right after the commit
+IdempotentOutbox = Annotated[UnitOutbox, Context(f"{CONTEXT_NAME}.outbox")]
 #: scope, key, raw message and connection or attempt together
 CurrentIdempotency = Annotated[IdempotencyContext, Context(CONTEXT_NAME)]
-
-
-class IdempotencyConfigError(ConfigurationError):
-    """The subscriber is configured in a way that cannot be made idempotent."""
 
 
 class _Settled(Exception):
@@ -512,7 +521,11 @@ class Idempotency:
       stays in hand before it is handed back as a copy (keep it under ``consumer_timeout``).
 
     It also serves as the transport of a :class:`~consumer_idem.operations.reconcile.Sweeper` or
-    :class:`~consumer_idem.operations.reconcile.Reconciler` (``publish_notice``, ``redispatch``).
+    :class:`~consumer_idem.operations.reconcile.Reconciler` (``publish_notice``, ``redispatch``),
+    and as the sender of the outbox (``send_batch``): what a handler publishes through
+    :data:`IdempotentOutbox` goes out through ``broker`` right after the commit. Run a relay for
+    what a crash leaves behind in the app's startup hook:
+    ``OutboxRelay(idem.store, idem, scopes=[idem.scope]).run(stop)``.
     """
 
     def __init__(
@@ -521,40 +534,22 @@ class Idempotency:
         *,
         broker: Any,
         scope: str,
-        key: KeyStrategy = DEFAULT_KEY,
-        mode: Literal["transactional", "two_phase"] = "transactional",
-        payload: Literal["json", "bytes"] = "json",
-        fingerprint_fields: Sequence[str] | None = None,
-        local_writes: LocalWrites | None = None,
-        max_attempts: int = 5,
-        lease: timedelta | float | None = None,
-        retention: timedelta | float | None = None,
-        backoff: tuple[float, float] = (0.2, 30.0),
+        mode: Mode = "transactional",
         dead_letter: str | Callable[[str], str] | None = None,
         reconcile_destination: str = DEFAULT_RECONCILE_DESTINATION,
         max_deliveries: int | None = 20,
         declare: bool = True,
         max_hold: float | None = 600.0,
+        **options: Unpack[ConsumerArgs],
     ) -> None:
         self._store_source = store
-        self._options: dict[str, Any] = {
-            "scope": scope,
-            "key": key,
-            "mode": mode,
-            "payload": payload,
-            "fingerprint_fields": fingerprint_fields,
-            "local_writes": local_writes,
-            "max_attempts": max_attempts,
-            "lease": lease,
-            "retention": retention,
-            "backoff": backoff,
-        }
+        self.options = ConsumerOptions(scope=scope, mode=mode, **options)
+        self.scope = scope
         self._consumer: IdempotentConsumer | None = None
         if isinstance(store, PostgresStore):
             self._consumer = self._build(store)
         elif not callable(store):  # fail here, not on the first message
             raise TypeError("store must be a PostgresStore or a callable returning one")
-        self.scope = scope
         self.broker = broker
         self.dead_letter = dead_letter
         self.reconcile_destination = reconcile_destination
@@ -565,7 +560,8 @@ class Idempotency:
         self.transport = self._transport_for(broker)
 
     def _build(self, store: PostgresStore) -> IdempotentConsumer:
-        return IdempotentConsumer(self._handle, store=store, **self._options)
+        attach_dispatcher(store, self, [self.scope])  # the outbox goes out through the broker
+        return IdempotentConsumer(self._handle, store=store, options=self.options)
 
     def _transport_for(self, broker: Any) -> _Transport:
         kinds: list[tuple[str, str, type[_Kafka] | type[_Rabbit]]] = [
@@ -621,6 +617,7 @@ class Idempotency:
             message=message,
             conn=conn,
             attempt=attempt,
+            outbox=None if conn is None else outbox_for(conn),
         )
         with call.context.scope(CONTEXT_NAME, ctx):
             try:
@@ -646,6 +643,34 @@ class Idempotency:
     async def redispatch(self, notice: Notice) -> bool:
         """Send the original message of a notice back to where it came from, to run once."""
         return await settle.redispatch(_Settler(self), notice)
+
+    # --- the outbox's sender (consumer_idem.outbox.OutboxSender) -------------------------------
+
+    def permanent(self, exc: BaseException) -> bool:
+        return self.transport.permanent(exc)
+
+    async def send_batch(self, messages: Sequence[OutgoingMessage]) -> list[BaseException | None]:
+        """Publish outgoing messages of the outbox through the broker, each confirmed."""
+        return await send_all(self._send_outgoing, messages, self.permanent)
+
+    async def _send_outgoing(self, message: OutgoingMessage) -> None:
+        transport = self.transport
+        if isinstance(transport, _Kafka):
+            await transport._publish(
+                message.destination, message.body, message.key, message.headers
+            )
+            return
+        assert isinstance(transport, _Rabbit)
+        from consumer_idem.transports.rabbit import outgoing_message
+
+        amqp = outgoing_message(message)
+        await transport._publish(
+            message.destination,
+            message.body,
+            dict(amqp.headers),
+            message_id=amqp.message_id,
+            content_type=amqp.content_type,
+        )
 
 
 class _Settler:

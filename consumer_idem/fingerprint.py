@@ -42,9 +42,74 @@ def _nested_deeper_than(value: Any, limit: int) -> bool:
     return False
 
 
+#: the integers RFC 8785 accepts (exactly representable as an IEEE 754 double)
+_SAFE_INT = 2**53 - 1
+#: the standard library's C encoder with JCS's separators and no escaping beyond JSON's own:
+#: for the values :func:`_plain` admits its output is RFC 8785's, byte for byte
+_PLAIN_ENCODER = json.JSONEncoder(
+    ensure_ascii=False, separators=(",", ":"), sort_keys=True, allow_nan=False
+)
+
+
+def _plain(value: Any) -> bool:
+    """Is ``value`` made only of dicts (string keys without characters beyond U+FFFF), lists,
+    strings, integers within +-(2**53 - 1), booleans and None, at most :data:`MAX_DEPTH` deep?
+
+    For such a value the standard library's encoder (sorted keys, no spaces, no ASCII escaping)
+    writes exactly the RFC 8785 bytes: strings are escaped the same way (quote, backslash, the
+    short forms, other control characters as lower-case ``u00xx``), integers print the same,
+    and for keys within the BMP code point order is UTF-16 code unit order. Floats (ECMAScript
+    number formatting), tuples, other mappings and subclasses go to the ``rfc8785`` package."""
+    kind = type(value)
+    if kind is not dict and kind is not list:
+        return _plain_scalar(value)
+    stack = [(value, 1)]
+    while stack:
+        current, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return False
+        # inlined checks: this walk runs once per message, in Python
+        if type(current) is dict:
+            for k, child in current.items():
+                if type(k) is not str or (not k.isascii() and max(k) > "\uffff"):
+                    return False
+                t = type(child)
+                if t is str or t is bool or child is None:
+                    continue
+                if t is int:
+                    if -_SAFE_INT <= child <= _SAFE_INT:
+                        continue
+                    return False
+                if t is dict or t is list:
+                    stack.append((child, depth + 1))
+                    continue
+                return False
+        else:
+            for child in current:
+                t = type(child)
+                if t is dict or t is list:
+                    stack.append((child, depth + 1))
+                elif not _plain_scalar(child):
+                    return False
+    return True
+
+
+def _plain_scalar(value: Any) -> bool:
+    t = type(value)
+    if t is str or t is bool or value is None:
+        return True
+    return t is int and -_SAFE_INT <= value <= _SAFE_INT
+
+
 def canonical_json(value: Any) -> bytes:
     """RFC 8785 canonical bytes of a JSON value (raises ``ValueError`` for non-JSON values and
     for values nested deeper than :data:`MAX_DEPTH`)."""
+    if _plain(value):
+        # the common case, in C (the pure-Python serialiser was a third of a batch's CPU)
+        try:
+            return _PLAIN_ENCODER.encode(value).encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: rfc8785 reports it
+            pass
     if isinstance(value, Mapping | list | tuple) and _nested_deeper_than(value, MAX_DEPTH):
         raise ValueError(f"value is nested deeper than {MAX_DEPTH} levels")
     try:

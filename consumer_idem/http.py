@@ -84,6 +84,7 @@ from starlette.requests import HTTPConnection
 from starlette.routing import Host, Match, Mount
 from starlette.types import ASGIApp as StarletteASGIApp
 
+from consumer_idem import tracing
 from consumer_idem.claim import (
     Attempt,
     TransactionalClaim,
@@ -94,17 +95,20 @@ from consumer_idem.claim import (
 from consumer_idem.errors import (
     CommitRolledBack,
     ConfigurationError,
-    ConsumerIdemError,
     InvalidKey,
+    KeyHeaderError,
     KeyInFlight,
     LeaseLost,
+    NotInTransaction,
     Retryable,
     SchemaMissing,
     StoreRejected,
     StoreUnavailable,
+    StreamCutShort,
 )
 from consumer_idem.fingerprint import fingerprint_bytes, fingerprint_json, parse_json
 from consumer_idem.metrics import Metrics
+from consumer_idem.outbox import UnitOutbox, outbox_for
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.types import Decision, DecisionKind, OutcomeKind, StoredResponse
 
@@ -140,10 +144,6 @@ RECHECK_LOCK_TIMEOUT_MS = 20
 #: remembered (oldest dropped first), each for the lease or 5 minutes, whichever is longer
 UNSETTLED_MAX = 10_000
 UNSETTLED_MIN_TTL = 300.0
-
-
-class KeyHeaderError(ValueError):
-    pass
 
 
 def parse_key_header(value: str) -> str:
@@ -442,6 +442,39 @@ class IdempotencyContext:
         self.writes.append(write)
 
 
+def idempotency_of(conn: HTTPConnection) -> IdempotencyContext | None:
+    """The request's :class:`IdempotencyContext` (``request.state.idempotency``), typed;
+    ``None`` when the middleware does not protect this request."""
+    context = conn.scope.get("state", {}).get("idempotency")
+    return context if isinstance(context, IdempotencyContext) else None
+
+
+def transaction_of(conn: HTTPConnection) -> asyncpg.Connection:
+    """The connection of the request's idempotency transaction (transactional routes): write
+    here to commit with the stored response. Raises :class:`NotInTransaction` otherwise."""
+    context = idempotency_of(conn)
+    if context is None or context.connection is None:
+        why = (
+            "it carries no Idempotency-Key (or its route is not idempotent)"
+            if context is None
+            else f"its route is {context.mode}"
+            if context.mode != "transactional"
+            else "it runs unprotected (fail-open: the store was unreachable)"
+        )
+        raise NotInTransaction(f"this request has no idempotency transaction: {why}")
+    return context.connection
+
+
+def outbox_of(conn: HTTPConnection) -> UnitOutbox:
+    """The outbox of the request's idempotency transaction (transactional routes): what the
+    endpoint publishes there is sent once the response is committed, never for a request that
+    rolled back, never again for a replay. Also a FastAPI dependency
+    (``outbox: UnitOutbox = Depends(outbox_of)``). Raises :class:`NotInTransaction` where
+    :func:`transaction_of` does. Attach a sender for it at startup
+    (``consumer_idem.outbox.OutboxService``)."""
+    return outbox_for(transaction_of(conn))
+
+
 @dataclass
 class _Captured:
     status: int = 500
@@ -458,7 +491,7 @@ class _Captured:
         return self.streaming and self.final is None
 
 
-class EndpointFailed(Exception):
+class _EndpointFailed(Exception):
     """The endpoint answered with a 5xx: not a result, nothing of it is stored."""
 
     def __init__(self, status: int) -> None:
@@ -466,15 +499,9 @@ class EndpointFailed(Exception):
         self.status = status
 
 
-class StreamIncomplete(Exception):
+class _StreamIncomplete(Exception):
     """The endpoint returned without the last message of its stream (cancelled when the client
     went away, say): the stream did not end well, so it is no result."""
-
-
-class StreamCutShort(ConsumerIdemError):
-    """A streamed response's outcome could not be committed (or recorded) after its body was
-    sent: its last message is withheld and the response is aborted, so the client sees a
-    broken response (an error, as every HTTP client reports one), never a complete one."""
 
 
 class _ClientGone(Exception):
@@ -761,6 +788,7 @@ class IdempotencyMiddleware:
                 metrics = self.store.metrics
         if metrics is not None:
             metrics.http_request(method, route, outcome)
+        tracing.outcome(outcome)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in self.methods:
@@ -856,15 +884,16 @@ class IdempotencyMiddleware:
             wait=self.wait if options.wait is None else options.wait,
             started_at=time.monotonic(),
         )
-        try:
-            await self._handle(request)
-        except (StoreUnavailable, SchemaMissing, StoreRejected, CommitRolledBack) as exc:
-            await self._store_failed(request, body, receive, send, exc)
-        finally:
-            self._release(request)
-            if request.ran and not request.settled:
-                # its retry must never be let through by fail-open while the store is away
-                self._remember_unsettled(request)
+        with tracing.request(scope, method, route, record_scope, key):
+            try:
+                await self._handle(request)
+            except (StoreUnavailable, SchemaMissing, StoreRejected, CommitRolledBack) as exc:
+                await self._store_failed(request, body, receive, send, exc)
+            finally:
+                self._release(request)
+                if request.ran and not request.settled:
+                    # its retry must never be let through by fail-open while the store is away
+                    self._remember_unsettled(request)
 
     async def _store_failed(
         self, request: _Request, body: bytes, receive: Receive, send: Send, exc: Exception
@@ -1024,11 +1053,11 @@ class IdempotencyMiddleware:
             await self._failed(request, await claim.fail(exc, "exception in endpoint"))
             raise
         if captured.incomplete:  # rolled back; the client is gone, or gets a broken response
-            await self._failed(request, await claim.fail(StreamIncomplete(), "stream incomplete"))
+            await self._failed(request, await claim.fail(_StreamIncomplete(), "stream incomplete"))
             self._count(request.method, request.route, "failed")
             return
         if captured.status >= 500:  # nothing of it is committed: it may run again
-            failed = await claim.fail(EndpointFailed(captured.status), f"http {captured.status}")
+            failed = await claim.fail(_EndpointFailed(captured.status), f"http {captured.status}")
             await self._failed(request, failed)
             self._count(request.method, request.route, "failed")
         else:
@@ -1115,11 +1144,11 @@ class IdempotencyMiddleware:
             await claim.park(exc)
             raise
         if captured.incomplete:  # what the stream was doing when it stopped is unknown
-            await claim.park(StreamIncomplete())
+            await claim.park(_StreamIncomplete())
             self._count(request.method, request.route, "unknown")
             return None
         if captured.status >= 500:  # it may have charged: parked, reconciled, never re-run
-            await claim.park(EndpointFailed(captured.status))
+            await claim.park(_EndpointFailed(captured.status))
             self._count(request.method, request.route, "unknown")
         else:
             outcome = await claim.complete(response=self._stored(captured), writes=context.writes)
@@ -1149,6 +1178,7 @@ class IdempotencyMiddleware:
         else:
             await request.send.response(captured.status, captured.headers, bytes(captured.body))
 
+    @tracing.traced("handler")
     async def _run_app(self, request: _Request, context: IdempotencyContext) -> _Captured:
         """Run the endpoint; its response is captured, not sent. A stream (more than one body
         chunk) is passed through as it comes, but its last message is held back: the client
@@ -1280,6 +1310,8 @@ class _Started:
 
     async def raw(self, message: Message) -> None:
         self.started = True
+        if message["type"] == "http.response.start":
+            tracing.http_status(message["status"])
         await self._send(message)
 
     async def response(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:

@@ -12,6 +12,8 @@ HASHED_PREFIX = "sha256:"
 
 
 def _has_control(text: str) -> bool:
+    if text.isprintable():  # in C: printable text has no Cc, Cf or Cs character
+        return False
     return any(unicodedata.category(ch) in ("Cc", "Cf", "Cs") for ch in text)
 
 

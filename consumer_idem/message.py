@@ -7,11 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from consumer_idem.errors import InvalidPayload
+
 _UNDECODED: Any = object()
-
-
-class InvalidPayload(ValueError):
-    """The body is not what the consumer declared (e.g. not JSON): a poison message."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +33,9 @@ class ConsumerMessage:
     raw: Any = None
     # the decoded body, kept after the first json() call (fingerprint and handler both need it)
     _decoded: Any = field(default=_UNDECODED, repr=False, compare=False)
+    # (consumer, its ``prepare`` answer): kept so a runner can prepare a message ahead, while
+    # the previous batch's transaction is in flight (derived from the bytes, never stale)
+    _prepared: Any = field(default=None, repr=False, compare=False)
 
     def json(self) -> Any:
         """The body decoded as JSON (decoded once); raises :class:`InvalidPayload` if it is not

@@ -34,6 +34,13 @@ COUNTERS = (
     "lease_lost",
 )
 
+#: gauges (set, not counted), with their help text; labelled by scope label
+GAUGES = {
+    "outbox_pending": "Outgoing messages committed and not yet confirmed by the broker.",
+    "outbox_parked": "Outgoing messages the broker refused for good (an operator's).",
+    "outbox_oldest_pending_seconds": "Age of the oldest pending outgoing message.",
+}
+
 HTTP_SCOPE_PREFIX = "http:"
 
 try:  # optional dependency: the `metrics` extra
@@ -79,6 +86,7 @@ class Metrics:
         self.label = label
         self._counts: Counter[tuple[str, str]] = Counter()
         self._http: Counter[tuple[str, str, str]] = Counter()
+        self._gauges: dict[tuple[str, str], float] = {}
         # labelled Prometheus children, cached: .labels() takes a lock and validates each time
         self._children: dict[tuple[str, ...], Any] = {}
 
@@ -126,6 +134,28 @@ class Metrics:
         child = self._child("http", method, route, outcome)
         if child is not None:
             child.inc()
+
+    def gauge(self, name: str, label: str, value: float) -> None:
+        """Set gauge ``consumer_idem_<name>`` for a scope label (already bounded: a caller that
+        sums several scopes into one label sets the sum), e.g. ``outbox_pending``."""
+        self._gauges[(name, label)] = value
+        if _prom is None:
+            return
+        child = self._children.get(("gauge", name, label))
+        if child is None:
+            parent = _collector(
+                self.registry,
+                f"consumer_idem_{name}",
+                "Gauge",
+                GAUGES.get(name, name.replace("_", " ")),
+                ("scope",),
+            )
+            child = self._children[("gauge", name, label)] = parent.labels(label)
+        child.set(value)
+
+    def gauge_value(self, name: str, label: str) -> float | None:
+        """The last value set for gauge ``name`` and a scope label (None: never set)."""
+        return self._gauges.get((name, label))
 
     def observe(self, operation: str, seconds: float) -> None:
         child = self._child("histogram", operation)

@@ -12,7 +12,7 @@ from uuid import UUID
 
 
 class Status(StrEnum):
-    """The state of one (scope, key) record. See DESIGN.md."""
+    """The state of one (scope, key) record. See docs/design.md."""
 
     IN_PROGRESS = "in_progress"
     COMPLETED = "completed"
@@ -161,3 +161,22 @@ class Outcome:
         """May the transport ack the message now? Everything but in-progress and retryable:
         those must be delivered again."""
         return self.kind not in (OutcomeKind.IN_PROGRESS, OutcomeKind.FAILED_RETRYABLE)
+
+
+@dataclass(frozen=True, slots=True)
+class Executed:
+    """Reconciliation answer: the work did happen; store this result."""
+
+    result: Any = None
+    result_kind: ResultKind = ResultKind.SUCCESS
+    response: StoredResponse | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NotExecuted:
+    """Reconciliation answer: the work provably did not happen; it may run again."""
+
+    reason: str = "reconciled: not executed"
+
+
+Resolution = Executed | NotExecuted

@@ -32,28 +32,21 @@ import asyncpg
 from starlette.requests import Request  # a real annotation: FastAPI injects by it
 from starlette.responses import JSONResponse, Response
 
-from consumer_idem.errors import ConfigurationError, InvalidKey, NotUnknown, StoreUnavailable
+from consumer_idem.errors import (
+    InvalidKey,
+    NotUnknown,
+    StoreUnavailable,
+    WebhookSecretError,
+    WebhookVerificationError,
+)
 from consumer_idem.execution import run_transactional
 from consumer_idem.fingerprint import fingerprint_payload, parse_json
 from consumer_idem.keys import normalize_key
-from consumer_idem.stores.postgres.store import PostgresStore, Resolution
-from consumer_idem.types import OutcomeKind
+from consumer_idem.stores.postgres.store import PostgresStore
+from consumer_idem.types import OutcomeKind, Resolution
 
 DEFAULT_TOLERANCE = 300
 _DIGITS = re.compile(r"[0-9]{1,15}")
-
-
-class WebhookSecretError(ConfigurationError):
-    """A signing secret that cannot work: refused when the verifier is built."""
-
-
-class WebhookVerificationError(Exception):
-    """``status`` is 400 (malformed) or 401 (wrong or stale signature)."""
-
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
 
 
 def _check_time(timestamp: str, tolerance: int, now: float | None) -> int:
@@ -201,9 +194,11 @@ def stripe_verifier(secrets: Sequence[str], tolerance: int = DEFAULT_TOLERANCE) 
 
 
 class WebhookReceiver:
-    """An endpoint: FastAPI ``app.add_api_route("/webhooks/stripe", receiver, methods=["POST"])``,
-    Starlette ``Route("/webhooks/stripe", receiver.handle, methods=["POST"])`` (Starlette takes
-    an object that is not a function for an ASGI app).
+    """An endpoint: mount ``receiver.handle`` (a ``Request -> Response`` coroutine), in FastAPI
+    ``app.add_api_route("/webhooks/stripe", receiver.handle, methods=["POST"])`` and in Starlette
+    ``Route("/webhooks/stripe", receiver.handle, methods=["POST"])``. Not the receiver itself:
+    FastAPI would read its ``request`` as a query parameter, Starlette would take it for an
+    ASGI app.
 
     ``handler(event, conn)`` runs once per (provider, event id), inside the transaction that
     records the event as processed.

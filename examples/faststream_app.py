@@ -29,13 +29,13 @@ from faststream.kafka import KafkaBroker, KafkaRouter
 from faststream.rabbit import Channel, QueueType, RabbitBroker, RabbitQueue, RabbitRouter
 
 from consumer_idem import PostgresStore, header
+from consumer_idem.cli.settings import load_settings
 from consumer_idem.faststream import (
     CurrentIdempotency,
     Idempotency,
     IdempotencyContext,
     IdempotentConnection,
 )
-from consumer_idem.settings import load_settings
 from handlers.payments import LEDGER_SCOPE, ensure_tables, parse_payment, record_payment
 
 settings = load_settings()

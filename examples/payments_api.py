@@ -31,8 +31,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from consumer_idem import DomainError, Executed, NotExecuted, PostgresStore, Retryable, Status
+from consumer_idem.cli.settings import load_settings
 from consumer_idem.http import IdempotencyMiddleware, idempotent
-from consumer_idem.settings import load_settings
 from consumer_idem.types import StoredResponse
 from consumer_idem.webhooks import WebhookReceiver, resolve_unknown, standard_verifier
 from handlers.gateway import GatewayClient

@@ -18,7 +18,7 @@ import sys
 import uuid
 from dataclasses import dataclass
 
-from consumer_idem.settings import load_settings
+from consumer_idem.cli.settings import load_settings
 
 TOPIC = "payments.requests"
 PARTITIONS = 4

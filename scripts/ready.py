@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 
-from consumer_idem.settings import load_settings
+from consumer_idem.cli.settings import load_settings
 
 READY_TOPIC = "consumer_idem.ready"
 

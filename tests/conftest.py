@@ -19,7 +19,8 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from consumer_idem.settings import Settings, load_settings
+from consumer_idem import PostgresStore
+from consumer_idem.cli.settings import Settings, load_settings
 
 ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,6 +41,34 @@ def with_database(dsn: str, database: str) -> str:
 
 def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+#: fixtures that reach a service: a test using any of them (directly or through another
+#: fixture) is marked ``services``; ``make test-fast`` runs the others with nothing started
+SERVICE_FIXTURES = frozenset(
+    {"pg_dsn", "kafka_admin", "kafka_producer", "amqp_connection", "redis_client", "gateway_url"}
+)
+#: test modules that reach a service from the test body (subprocesses, their own clients)
+SERVICE_MODULES = frozenset({"test_services", "test_cli", "test_payments_api", "test_tracing"})
+#: long runs (chaos with SIGKILLs, property-based HTTP fuzzing): marked ``slow`` as well
+SLOW_MODULES = frozenset(
+    {"test_chaos_postgres", "test_consumer_chaos", "test_store_processes", "test_payments_api"}
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "services: needs PostgreSQL, Kafka, RabbitMQ or Redis")
+    config.addinivalue_line("markers", "slow: a chaos or fuzzing run (minutes, not seconds)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & SERVICE_FIXTURES or module in SERVICE_MODULES:
+            item.add_marker(pytest.mark.services)
+        if module in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -65,6 +94,12 @@ async def pg_dsn(settings: Settings) -> AsyncIterator[str]:
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     finally:
         await admin.close()
+
+
+@pytest.fixture(scope="session")
+def idem_dsn(pg_dsn: str) -> str:
+    """The testing kit's database (``consumer_idem.testing``'s ``idem_store``): this session's."""
+    return pg_dsn
 
 
 @pytest.fixture(scope="session")
@@ -155,10 +190,8 @@ async def redis_prefix(redis_client: aioredis.Redis) -> AsyncIterator[str]:
 
 
 @pytest.fixture(scope="session")
-async def store(pg_pool: asyncpg.Pool) -> Any:
+async def store(pg_pool: asyncpg.Pool) -> PostgresStore:
     """The Postgres store on the session database, migrated once."""
-    from consumer_idem import PostgresStore
-
     store = PostgresStore(pg_pool)
     await store.migrate()
     return store

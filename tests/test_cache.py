@@ -1,8 +1,11 @@
-"""The Redis completed-record cache in front of the Postgres store."""
+"""The Redis completed-record cache in front of the Postgres store, against real Redis and
+Postgres: what it caches, how it falls through, and the three guarantees of its keys (a cancelled
+lookup is no outage, an evict is final across processes, stores sharing a Redis stay apart)."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,43 +20,55 @@ from consumer_idem import (
     PostgresStore,
     run_transactional,
 )
-from consumer_idem.settings import Settings
+from consumer_idem.cli.settings import Settings
+from consumer_idem.types import Record
+from tests.conftest import ROOT_DIR, unique
 
 FP = "v1:jcs:aaa"
 
 
 @pytest.fixture
 async def cache_client(settings: Settings) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.from_url(settings.redis_url, socket_timeout=0.2, socket_connect_timeout=0.2)
+    client = aioredis.from_url(settings.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
     yield client
     await client.aclose()
 
 
-@pytest.fixture(params=["fast_path", "socket_timeout", "no_socket_timeout"])
+@pytest.fixture(params=["socket_timeout", "no_socket_timeout"])
 async def cached_store(
     request: pytest.FixtureRequest,
     settings: Settings,
     pg_pool: asyncpg.Pool,
+    store: PostgresStore,
     cache_client: aioredis.Redis,
     redis_prefix: str,
 ) -> AsyncIterator[PostgresStore]:
-    """The cache's own connection (the default); redis-py with its socket timeout; redis-py
-    without one (the cache's own ``timeout`` then bounds every call, so an outage still falls
-    through instead of hanging)."""
+    """redis-py with its socket timeout; redis-py without one (the cache's own ``timeout`` then
+    bounds every call, so an outage still falls through instead of hanging). On the session's
+    schema, migrated by ``store``."""
     if request.param == "no_socket_timeout":
         client = aioredis.from_url(settings.redis_url)
-        cache = CompletedCache(client, prefix=redis_prefix, timeout=0.2, fast_path=False)
-        yield PostgresStore(pg_pool, cache=cache)
+        yield PostgresStore(pg_pool, cache=CompletedCache(client, prefix=redis_prefix, timeout=0.5))
         await client.aclose()
         return
-    fast = request.param == "fast_path"
-    cache = CompletedCache(cache_client, prefix=redis_prefix, fast_path=fast)
-    yield PostgresStore(pg_pool, cache=cache)
-    await cache.aclose()
+    yield PostgresStore(pg_pool, cache=CompletedCache(cache_client, prefix=redis_prefix))
+
+
+def cache_of(store: PostgresStore) -> CompletedCache:
+    assert store.cache is not None
+    return store.cache
 
 
 async def cached_keys(redis_client: aioredis.Redis, prefix: str) -> list[bytes]:
-    return [k async for k in redis_client.scan_iter(match=prefix + "*")]
+    """The cache entries under ``prefix`` (an evict's fences are not entries)."""
+    found = [k async for k in redis_client.scan_iter(match=prefix + "*")]
+    return [k for k in found if not k.endswith(b":fence")]
+
+
+async def complete(store: PostgresStore, scope: str, key: str, result: Any) -> None:
+    decision = await store.reserve(scope, key, FP)
+    assert decision.kind is DecisionKind.EXECUTE
+    await store.complete(scope, key, decision.token, result)
 
 
 async def test_a_duplicate_is_answered_without_postgres(
@@ -61,8 +76,7 @@ async def test_a_duplicate_is_answered_without_postgres(
 ) -> None:
     pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
     assert pool is not None
-    cache = CompletedCache(cache_client, prefix=redis_prefix)
-    store = PostgresStore(pool, cache=cache)
+    store = PostgresStore(pool, cache=CompletedCache(cache_client, prefix=redis_prefix))
     await store.migrate()
 
     async def handler(conn: asyncpg.Connection) -> Any:
@@ -76,7 +90,6 @@ async def test_a_duplicate_is_answered_without_postgres(
     assert (await store.reserve(scope, "k", FP)).kind is DecisionKind.REPLAY
     assert (await store.reserve(scope, "k", "v1:jcs:other")).kind is DecisionKind.MISUSE
     assert store.metrics.count("cache_hit", scope) == 3
-    await cache.aclose()
 
 
 async def test_only_completed_records_are_ever_cached(
@@ -103,8 +116,7 @@ async def test_evict_and_prune_remove_cached_entries(
     scope: str,
 ) -> None:
     for key in ("evicted", "pruned"):
-        d = await cached_store.reserve(scope, key, FP)
-        await cached_store.complete(scope, key, d.token, key)
+        await complete(cached_store, scope, key, key)
     assert len(await cached_keys(redis_client, redis_prefix)) == 2
     await cached_store.evict(scope, "evicted")
     assert (await cached_store.reserve(scope, "evicted", FP)).kind is DecisionKind.EXECUTE
@@ -113,7 +125,7 @@ async def test_evict_and_prune_remove_cached_entries(
         " WHERE scope = $1 AND key = 'pruned'",
         scope,
     )
-    await cached_store.prune()
+    await cached_store.maintenance.prune()
     assert await cached_keys(redis_client, redis_prefix) == []
     assert (await cached_store.reserve(scope, "pruned", FP)).kind is DecisionKind.EXECUTE
 
@@ -149,68 +161,241 @@ async def test_a_redis_outage_mid_run_changes_no_outcome(
     assert cached_store.metrics.count("cache_error") >= 1  # the outage was really felt
 
 
-class CountingClient:
-    """The real client, counting the commands the cache sends."""
-
-    def __init__(self, client: aioredis.Redis) -> None:
-        self.client = client
-        self.calls: list[str] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.client, name)
-
-    async def execute_command(self, *args: Any) -> Any:
-        self.calls.append(str(args[0]).lower())
-        return await self.client.execute_command(*args)
-
-
-@pytest.mark.parametrize("fast_path", [False, True], ids=["redis_py", "fast_path"])
-async def test_concurrent_lookups_share_one_round_trip_and_get_their_own_answers(
-    fast_path: bool,
-    pg_pool: asyncpg.Pool,
-    cache_client: aioredis.Redis,
-    redis_client: aioredis.Redis,
-    redis_prefix: str,
-    scope: str,
+async def test_concurrent_lookups_get_their_own_answers_and_an_outage_fails_them_fast(
+    cached_store: PostgresStore, redis_client: aioredis.Redis, scope: str
 ) -> None:
-    counting = CountingClient(cache_client)
-    cache = CompletedCache(counting, prefix=redis_prefix, fast_path=fast_path)
-    store = PostgresStore(pg_pool, cache=cache)
+    cache = cache_of(cached_store)
     for i in range(10):
-        record = store.completed_record(scope, f"k{i}", f"fp{i}", f'{{"i":{i}}}')
-        await cache.put(record)
-    counting.calls.clear()
+        await complete(cached_store, scope, f"k{i}", {"i": i})
     keys = [f"k{i}" for i in range(20)] + ["k3", "k3"]  # 10 cached, 10 not, a repeat
     found = await asyncio.gather(*(cache.get(scope, k) for k in keys))
-    # the first goes at once, the rest gather; the fast path never touches redis-py
-    assert counting.calls == ([] if fast_path else ["get", "mget"])
     for key, record in zip(keys, found, strict=True):
         if int(key[1:]) < 10:
-            assert record is not None and record.key == key and record.fingerprint == f"fp{key[1:]}"
+            assert record is not None and record.key == key and record.result_json is not None
+            assert record.result_json.replace(" ", "") == f'{{"i":{key[1:]}}}'
         else:
             assert record is None
     # Redis stops answering: every waiting lookup falls through (a miss), none hangs
-    await redis_client.execute_command("CLIENT", "PAUSE", "1000", "ALL")
-    cache.timeout = 0.2
+    await redis_client.execute_command("CLIENT", "PAUSE", "1500", "ALL")
     started = asyncio.get_running_loop().time()
     found = await asyncio.gather(*(cache.get(scope, f"k{i}") for i in range(10)))
     assert found == [None] * 10
-    assert asyncio.get_running_loop().time() - started < 0.9
+    assert asyncio.get_running_loop().time() - started < 1.2  # bounded by the 0.5 s timeouts
     assert cache.metrics.count("cache_error") == 10
-    await asyncio.sleep(1.0)  # the pause is over before the next test talks to Redis
-    await cache.aclose()
+    await asyncio.sleep(1.5)  # the pause is over before the next test talks to Redis
 
 
 async def test_an_entry_that_names_another_key_is_a_miss(
     cached_store: PostgresStore, redis_client: aioredis.Redis, redis_prefix: str, scope: str
 ) -> None:
-    """Defence in depth: a cache entry carries its own scope and key, so a value that reaches
-    the wrong lookup (a misattributed reply, a hand-copied entry) is never replayed."""
-    d = await cached_store.reserve(scope, "paid", FP)
-    await cached_store.complete(scope, "paid", d.token, {"charged": 100})
+    """Defence in depth: a cache entry carries its own store, scope and key, so a value that
+    reaches the wrong lookup (a hand-copied entry) is never replayed."""
+    await complete(cached_store, scope, "paid", {"charged": 100})
     (name,) = await cached_keys(redis_client, redis_prefix)
     await redis_client.set(name.replace(b"paid", b"unpaid"), await redis_client.get(name))
     decision = await cached_store.reserve(scope, "unpaid", FP)
     assert decision.kind is DecisionKind.EXECUTE  # Postgres decided: the key is new
     assert cached_store.metrics.count("cache_error", scope) == 1
     assert cached_store.metrics.count("cache_hit", scope) == 0
+
+
+# --- a cancelled lookup is not an outage ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("socket_timeout", [2.0, None], ids=["socket_timeout", "cache_timeout"])
+async def test_a_cancelled_lookup_changes_no_other_lookup_and_opens_no_breaker(
+    socket_timeout: float | None,
+    settings: Settings,
+    pg_pool: asyncpg.Pool,
+    store: PostgresStore,
+    redis_client: aioredis.Redis,
+    redis_prefix: str,
+    scope: str,
+) -> None:
+    """Lookups in flight together, two of them cancelled: the others get their own records, the
+    breaker stays closed (the next lookup still asks Redis) and nothing counts as an error.
+    (Batched lookups shared one future: cancelling the lookup that led a batch turned the others
+    into misses and failed the lookup in flight, which opened the breaker for 5 s.)"""
+    client = aioredis.from_url(settings.redis_url, socket_timeout=socket_timeout)
+    cache = CompletedCache(client, prefix=redis_prefix, timeout=2.0)
+    cached = PostgresStore(pg_pool, cache=cache)
+    for i in range(8):
+        await complete(cached, scope, f"k{i}", i)
+    # Redis holds its replies for a while, so every lookup below is in flight at once
+    await redis_client.execute_command("CLIENT", "PAUSE", "500", "ALL")
+    lookups = [asyncio.create_task(cache.get(scope, f"k{i}")) for i in range(8)]
+    await asyncio.sleep(0.1)  # all sent, none answered
+    assert not any(lookup.done() for lookup in lookups)
+    lookups[1].cancel()  # the second lookup led the batch of those sent while one was in flight
+    lookups[5].cancel()
+    for i, lookup in enumerate(lookups):
+        if i in (1, 5):
+            with pytest.raises(asyncio.CancelledError):
+                await lookup
+        else:
+            record = await lookup
+            assert record is not None and record.key == f"k{i}" and record.result_json == str(i)
+    assert cache.metrics.count("cache_error") == 0
+    assert cache.metrics.count("cache_hit", scope) == 6
+    # the breaker is closed: the very next lookups are answered by Redis, not Postgres
+    again = await asyncio.gather(*(cache.get(scope, f"k{i}") for i in (1, 5)))
+    assert [r.key if r else None for r in again] == ["k1", "k5"]
+    assert (await cached.reserve(scope, "k1", FP)).kind is DecisionKind.REPLAY
+    assert cache.metrics.count("cache_hit", scope) == 9
+    await client.aclose()
+
+
+# --- an evict is final ---------------------------------------------------------------------------
+
+
+class HeldFillCache(CompletedCache):
+    """The real cache, whose fills wait until ``release`` is set: the delay between a reader's
+    Postgres read and its cache fill, where an evict can slip in."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.holding = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def put(self, record: Record) -> None:
+        self.holding.set()
+        await self.release.wait()
+        await super().put(record)
+
+
+EVICTOR = """
+import asyncio, sys
+import asyncpg, redis.asyncio as aioredis
+from consumer_idem import CompletedCache, PostgresStore
+
+async def main(dsn, url, prefix, scope, key):
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+    redis = aioredis.from_url(url)
+    store = PostgresStore(pool, cache=CompletedCache(redis, prefix=prefix))
+    print(await store.evict(scope, key))
+    await redis.aclose()
+    await pool.close()
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("evictor", ["same_store", "other_process"])
+async def test_an_evict_racing_a_replay_read_from_postgres_is_not_undone(
+    evictor: str,
+    settings: Settings,
+    pg_dsn: str,
+    pg_pool: asyncpg.Pool,
+    store: PostgresStore,
+    redis_client: aioredis.Redis,
+    redis_prefix: str,
+    scope: str,
+) -> None:
+    """A reader misses the cache, reads the completed record from Postgres and is held before
+    its cache fill; meanwhile the record is evicted (by the same store, or by another process
+    sharing Redis). The late fill must not bring the entry back: the next reservation executes.
+    (The fill used to write unconditionally: the evicted record was replayed until its TTL.)"""
+    await complete(store, scope, "k", "before")  # in Postgres only: the store has no cache
+    cache = HeldFillCache(redis_client, prefix=redis_prefix)
+    reader = PostgresStore(pg_pool, cache=cache)
+    reading = asyncio.create_task(reader.reserve(scope, "k", FP))
+    await asyncio.wait_for(cache.holding.wait(), 5)  # Postgres answered: a replay, not yet cached
+    if evictor == "same_store":
+        assert await reader.evict(scope, "k")
+    else:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            EVICTOR,
+            pg_dsn,
+            settings.redis_url,
+            redis_prefix,
+            scope,
+            "k",
+            cwd=ROOT_DIR,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0 and out.strip() == b"True", err.decode()
+    cache.release.set()
+    assert (await reading).kind is DecisionKind.REPLAY  # what it read before the evict
+    fresh = await reader.reserve(scope, "k", FP)
+    assert fresh.kind is DecisionKind.EXECUTE  # the evict holds: Postgres decides, the key is new
+    assert await cached_keys(redis_client, redis_prefix) == []
+    assert reader.metrics.count("cache_fill_fenced", scope) == 1
+    # the fence stops only fills that read before it: the new record is cached as usual
+    await reader.complete(scope, "k", fresh.token, "after")
+    assert len(await cached_keys(redis_client, redis_prefix)) == 1
+    replay = await reader.reserve(scope, "k", FP)
+    assert replay.kind is DecisionKind.REPLAY and replay.record.result_json == '"after"'
+    assert reader.metrics.count("cache_hit", scope) == 1
+
+
+async def test_a_fill_needs_a_lookup_of_its_key_by_the_same_task(
+    cached_store: PostgresStore, redis_client: aioredis.Redis, redis_prefix: str, scope: str
+) -> None:
+    """A fill is only as safe as the fence read before the Postgres read: a put with no lookup
+    of its key in this task (or with one made by another task) fills nothing."""
+    cache = cache_of(cached_store)
+    await asyncio.create_task(complete(cached_store, scope, "k", 1))  # its tickets stay there
+    record = await cached_store.get(scope, "k")
+    assert record is not None
+    (entry,) = await cached_keys(redis_client, redis_prefix)
+    await redis_client.delete(entry)  # as if it had expired
+    await cache.put(record)  # no lookup at all
+    await asyncio.create_task(cache.get(scope, "k"))  # a lookup, by another task
+    await cache.put(record)
+    assert await cached_keys(redis_client, redis_prefix) == []
+    assert cache.metrics.count("cache_fill_skipped", scope) == 2
+    assert await cache.get(scope, "k") is None  # this task's own lookup, then the read
+    record = await cached_store.get(scope, "k")
+    assert record is not None
+    await cache.put(record)  # now the fill lands
+    assert await cached_keys(redis_client, redis_prefix) == [entry]
+    await redis_client.delete(entry)
+    await cache.put(record)  # the ticket was used up
+    assert await cached_keys(redis_client, redis_prefix) == []
+    assert cache.metrics.count("cache_fill_skipped", scope) == 3
+
+
+# --- stores sharing one Redis ----------------------------------------------------------------
+
+
+@pytest.fixture
+async def second_schema(pg_pool: asyncpg.Pool) -> AsyncIterator[str]:
+    schema = unique("cache").replace("-", "_")
+    yield schema
+    await pg_pool.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+async def test_stores_sharing_one_redis_never_answer_each_others_keys(
+    pg_pool: asyncpg.Pool,
+    store: PostgresStore,
+    second_schema: str,
+    redis_client: aioredis.Redis,
+    redis_prefix: str,
+    scope: str,
+) -> None:
+    """Two stores (two schemas of one database) behind caches with the same prefix on one Redis:
+    the same scope and key are two records. (Keys carried no store identity: the second store
+    replayed the first one's result for a key it had never seen.)"""
+    first = PostgresStore(pg_pool, cache=CompletedCache(redis_client, prefix=redis_prefix))
+    second = PostgresStore(
+        pg_pool, schema=second_schema, cache=CompletedCache(redis_client, prefix=redis_prefix)
+    )
+    await second.migrate()
+    await complete(first, scope, "k", "first")
+    # a delivery of its own (its task's tickets are its own; see the ticket test)
+    decision = await asyncio.create_task(second.reserve(scope, "k", FP))
+    assert decision.kind is DecisionKind.EXECUTE
+    assert second.metrics.count("cache_hit", scope) == 0
+    await second.evict(scope, "k")
+    await complete(second, scope, "k", "second")
+    for owner, result in ((first, '"first"'), (second, '"second"')):
+        replay = await owner.reserve(scope, "k", FP)
+        assert replay.kind is DecisionKind.REPLAY and replay.record.result_json == result
+        assert owner.metrics.count("cache_hit", scope) == 1  # each from its own entry
+    assert len(await cached_keys(redis_client, redis_prefix)) == 2
+    with pytest.raises(ValueError, match="another store"):
+        PostgresStore(pg_pool, schema=second_schema, cache=first.cache)

@@ -41,8 +41,9 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from consumer_idem import PostgresStore
+from consumer_idem.cli.settings import Settings
 from consumer_idem.consumer import DEAD_LETTER_REASON
-from consumer_idem.settings import Settings
+from consumer_idem.outbox import outgoing_key
 from examples.payments_producer import PARTITIONS, plan, send_kafka, send_rabbit
 from handlers.payments import LEDGER_SCOPE, ensure_tables
 from tests._payments import assert_exactly_once, ledger_count, read_topic
@@ -525,4 +526,222 @@ async def test_rabbit_postgres_backends_terminated_during_a_run_lose_and_double_
         with contextlib.suppress(Exception):
             async with amqp_channel(settings.amqp_url) as channel:
                 for name in (queue, f"{queue}.dlq"):
+                    await channel.queue_delete(name)
+
+
+# --- the outbox under the same chaos: the consumer emits a payment.booked event per payment ---
+
+#: a killed consumer's unsent events go out through the next one's relay within seconds
+EMIT_RELAY = ["--relay-every", "1", "--relay-after", "2"]
+
+#: (idempotency-key header, payment_id) of each event read
+Events = list[tuple[str, str]]
+
+
+def _event(key: Any, body: bytes) -> tuple[str, str]:
+    return _text(key), str(json.loads(body)["payment_id"])
+
+
+async def kafka_events(settings: Settings, topic: str, partitions: int) -> Events:
+    """Every event in ``topic`` now (up to the end offsets read first)."""
+    tps = [TopicPartition(topic, p) for p in range(partitions)]
+    reader = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False)
+    await reader.start()
+    events: Events = []
+    try:
+        ends = await reader.end_offsets(tps)
+        reader.assign(tps)
+        await reader.seek_to_beginning(*tps)
+        deadline = time.monotonic() + 30
+        while [tp for tp in tps if await reader.position(tp) < ends[tp]]:
+            assert time.monotonic() < deadline, "reading the events took too long"
+            for records in (await reader.getmany(timeout_ms=500)).values():
+                for r in records:
+                    events.append(_event(dict(r.headers or ()).get("idempotency-key"), r.value))
+    finally:
+        await reader.stop()
+    return events
+
+
+async def rabbit_events(settings: Settings, queue: str) -> Events:
+    """Every event in ``queue`` now, left in it (taken unacked, back when the channel closes)."""
+    events: Events = []
+    async with amqp_channel(settings.amqp_url) as channel:
+        try:
+            declared = await channel.declare_queue(queue, passive=True)
+        except aio_pika.exceptions.ChannelClosed:  # nothing emitted yet: no queue yet
+            return events
+        while (message := await declared.get(no_ack=False, fail=False)) is not None:
+            events.append(_event((message.headers or {}).get("idempotency-key"), message.body))
+    return events
+
+
+async def booked_ids(pool: asyncpg.Pool, run_id: str) -> set[str]:
+    rows = await pool.fetch(
+        "SELECT DISTINCT payment_id FROM demo_ledger WHERE payment_id LIKE $1", f"{run_id}-pay-%"
+    )
+    return {r["payment_id"] for r in rows}
+
+
+async def emit_under_strikes(
+    transport: Transport,
+    read_events: Callable[[], Awaitable[Events]],
+    pg_dsn: str,
+    pg_pool: asyncpg.Pool,
+    store: PostgresStore,
+    run_id: str,
+    messages: list[Any],
+    logs: Path,
+) -> None:
+    """SIGKILL cycles under strikes, then a survivor under strikes that finishes the stream:
+    no event may exist for a payment not booked (checked after the kills, mid-run), and at the
+    end every booked payment's event exists at least once, exactly once after deduplication by
+    its idempotency-key header, which is the one derived from the payment's key."""
+    rng = random.Random(run_id)
+    distinct = len({m.key for m in messages})
+    terminator = await Terminator.open(pg_dsn)
+    consumers: list[Consumer] = []
+
+    async def start(n: int) -> Consumer:
+        c = await Consumer.start(
+            pg_dsn, transport.name, transport.topic, transport.extra, logs / f"emit-{n}.log"
+        )
+        consumers.append(c)
+        return c
+
+    async def unsent() -> int:  # committed events not yet confirmed by the broker
+        return int(
+            await pg_pool.fetchval(
+                f"SELECT count(*) FROM {store.outbox.table} WHERE status = 'pending'"
+                " AND scope = $1 AND unit_key LIKE $2",
+                LEDGER_SCOPE,
+                f"{run_id}:%",
+            )
+        )
+
+    try:
+        for cycle in range(KILL_CYCLES):
+            proc = await start(cycle)
+            for _ in range(rng.randint(1, 2)):
+                await asyncio.sleep(rng.uniform(0.2, 0.5))
+                await terminator.strike()
+            await asyncio.sleep(rng.uniform(0.1, 0.4))
+            await proc.kill()
+        booked = await resilient(lambda: booked_ids(pg_pool, run_id))
+        assert 0 < len(booked) < distinct, f"the kills must land mid-run ({len(booked)} booked)"
+        early = {payment for _, payment in await read_events()}
+        assert early <= booked, f"events for payments never booked: {sorted(early - booked)[:5]}"
+
+        survivor = await start(KILL_CYCLES)
+        for _ in range(FINAL_STRIKES):
+            await asyncio.sleep(rng.uniform(0.4, 0.8))
+            await terminator.strike()
+            survivor.assert_alive("after a strike")
+        deadline = time.monotonic() + 90
+        while True:  # every payment booked, and every event it emitted confirmed
+            done = len(await resilient(lambda: booked_ids(pg_pool, run_id)))
+            if done >= distinct and not await resilient(unsent):
+                break
+            survivor.assert_alive("before the stream and its events were done")
+            assert time.monotonic() < deadline, (
+                f"{done} of {distinct} booked, {await resilient(unsent)} events unsent;"
+                f" survivor stderr:\n{survivor.tail()}"
+            )
+            await asyncio.sleep(0.3)
+        await survivor.stop()
+    finally:
+        for c in consumers:
+            if c.alive:
+                await c.kill()
+        await terminator.close()
+    await resilient(lambda: pg_pool.fetchval("SELECT 1"))
+    await assert_exactly_once(pg_pool, run_id, messages)
+
+    events = await read_events()
+    key_of = {
+        f"{run_id}-pay-{m.key.rsplit(':', 1)[1]}": outgoing_key(LEDGER_SCOPE, m.key, 0)
+        for m in messages
+    }
+    first: dict[str, str] = {}  # idempotency-key -> payment, deduplicated
+    for key, payment in events:
+        assert key == key_of.get(payment), f"event for {payment} with key {key!r}"
+        first.setdefault(key, payment)
+    per_payment = Counter(first.values())
+    booked = await booked_ids(pg_pool, run_id)
+    assert set(per_payment) == booked and set(per_payment.values()) == {1}
+    assert len(events) >= len(booked) == distinct  # at least once; copies are the header's job
+    print(
+        f"\n[{transport.name}] {len(events)} events for {len(booked)} booked payments"
+        f" ({len(events) - len(booked)} copies, dropped by their key);"
+        f" {len(terminator.strikes)} strikes, {KILL_CYCLES} SIGKILLs"
+    )
+
+
+@pytest.mark.timeout(240)
+async def test_kafka_emitted_events_once_each_after_dedup_through_kills_and_strikes(
+    settings: Settings,
+    pg_dsn: str,
+    pg_pool: asyncpg.Pool,
+    store: PostgresStore,
+    demo_tables: None,
+    kafka_admin: Any,
+    kafka_topic_factory: Any,
+    tmp_path: Path,
+) -> None:
+    run_id = f"pgemit{uuid.uuid4().hex[:6]}"
+    messages = plan(COUNT, DUPLICATE_RATE, 6, run_id)
+    topic = await kafka_topic_factory("pgemit", partitions=PARTITIONS)
+    booked = await kafka_topic_factory("pgemit-booked", partitions=2)
+    await send_kafka(messages, topic)
+    transport = await kafka_transport(settings, kafka_admin, topic, run_id)
+    transport.extra += ["--emit", booked, *EMIT_RELAY]
+    try:
+        await emit_under_strikes(
+            transport,
+            lambda: kafka_events(settings, booked, 2),
+            pg_dsn,
+            pg_pool,
+            store,
+            run_id,
+            messages,
+            tmp_path,
+        )
+    finally:
+        with contextlib.suppress(Exception):
+            if f"{topic}.dlq" in await kafka_admin.list_topics():
+                await kafka_admin.delete_topics([f"{topic}.dlq"])
+
+
+@pytest.mark.timeout(240)
+async def test_rabbit_emitted_events_once_each_after_dedup_through_kills_and_strikes(
+    settings: Settings,
+    pg_dsn: str,
+    pg_pool: asyncpg.Pool,
+    store: PostgresStore,
+    demo_tables: None,
+    amqp_connection: aio_pika.abc.AbstractConnection,  # RabbitMQ down fails the test here
+    tmp_path: Path,
+) -> None:
+    run_id = f"pgemit{uuid.uuid4().hex[:6]}"
+    messages = plan(COUNT, DUPLICATE_RATE, 6, run_id)
+    queue = f"pgemit-{run_id}"
+    booked = f"{queue}.booked"
+    await send_rabbit(messages, queue)
+    transport = rabbit_transport(settings.amqp_url, queue)
+    transport.extra += ["--emit", booked, *EMIT_RELAY]
+    try:
+        await emit_under_strikes(
+            transport,
+            lambda: rabbit_events(settings, booked),
+            pg_dsn,
+            pg_pool,
+            store,
+            run_id,
+            messages,
+            tmp_path,
+        )
+    finally:
+        with contextlib.suppress(Exception):
+            async with amqp_channel(settings.amqp_url) as channel:
+                for name in (queue, f"{queue}.dlq", booked):
                     await channel.queue_delete(name)

@@ -95,7 +95,7 @@ async def test_a_rolled_back_commit_of_a_reacquired_key_is_a_retryable_failure(
 async def cached_store(
     pg_pool: asyncpg.Pool, redis_client: aioredis.Redis, redis_prefix: str
 ) -> AsyncIterator[PostgresStore]:
-    cache = CompletedCache(redis_client, prefix=redis_prefix, fast_path=False)
+    cache = CompletedCache(redis_client, prefix=redis_prefix)
     yield PostgresStore(pg_pool, cache=cache)
 
 

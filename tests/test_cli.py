@@ -11,25 +11,7 @@ import uuid
 from typing import Any
 
 from consumer_idem.stores.postgres import migrate
-
-
-async def cli(*args: str, dsn: str | None = None, **env_extra: str) -> tuple[int, str, str]:
-    env = dict(os.environ, **env_extra)
-    if dsn:
-        env["CONSUMER_IDEM_PG_DSN"] = dsn
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "consumer_idem.cli",
-        *args,
-        env=env,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
+from tests._cli import cli
 
 
 async def test_migrate_applies_once_then_reports_up_to_date(pg_dsn: str) -> None:
@@ -61,7 +43,13 @@ async def test_stats_inspect_evict(pg_dsn: str, store: Any, scope: str) -> None:
     code, out, _ = await cli("stats", "--scope", scope, "--json", dsn=pg_dsn)
     assert code == 0
     stats = json.loads(out)
-    assert stats["scopes"][scope] == {"completed": 1, "unknown": 1}
+    assert stats["scopes"][scope] == {
+        "in_progress": 0,
+        "completed": 1,
+        "failed_retryable": 0,
+        "unknown": 1,
+        "expired": 0,
+    }
     assert stats["oldest_unknown_s"] is not None
 
     code, out, _ = await cli("inspect", scope, "k1", "--json", dsn=pg_dsn)

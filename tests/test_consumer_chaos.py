@@ -109,7 +109,7 @@ async def test_sigkill_ten_times_during_a_run_loses_and_doubles_nothing(
                 await channel.queue_delete(topic + suffix)
             await channel.close()
     await assert_exactly_once(pg_pool, run_id, messages)
-    await store.sweep()
+    await store.maintenance.sweep()
     stuck = await pg_pool.fetchval(
         f"SELECT count(*) FROM {store.table} WHERE scope = 'payments.ledger'"
         " AND status = 'in_progress'"

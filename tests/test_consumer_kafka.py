@@ -21,7 +21,7 @@ from consumer_idem import (
     header,
     idempotent_consumer,
 )
-from consumer_idem.settings import Settings
+from consumer_idem.cli.settings import Settings
 from consumer_idem.transports.kafka import KafkaRunner
 from examples.payments_producer import plan, send_kafka
 from handlers.payments import ensure_tables, record_payment, record_payments

@@ -20,7 +20,7 @@ from consumer_idem import (
     header,
     idempotent_consumer,
 )
-from consumer_idem.settings import Settings
+from consumer_idem.cli.settings import Settings
 from consumer_idem.transports.rabbit import RabbitRunner, to_message
 from examples.payments_producer import plan, send_rabbit
 from handlers.payments import ensure_tables, record_payment

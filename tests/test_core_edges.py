@@ -164,7 +164,7 @@ async def test_two_phase_retryable_after_the_lease_was_lost_settles(
 ) -> None:
     async def slow_then_refused(attempt: Attempt) -> Any:
         await asyncio.sleep(0.4)
-        await store.sweep()  # the lease expired meanwhile: the sweeper parks the record
+        await store.maintenance.sweep()  # the lease expired meanwhile: the sweeper parks it
         raise Retryable("refused")
 
     outcome = await run_two_phase(store, scope, "k", FP, slow_then_refused, lease=0.2)
@@ -175,7 +175,7 @@ async def test_two_phase_retryable_after_the_lease_was_lost_settles(
     @idempotent_consumer(store, scope=scope, mode="two_phase", lease=0.2)
     async def handler(message: ConsumerMessage, attempt: Attempt) -> Any:
         await asyncio.sleep(0.4)
-        await store.sweep()
+        await store.maintenance.sweep()
         raise Retryable("refused")
 
     verdict = await handler.process(msg("k2", {"n": 1}))
@@ -340,9 +340,7 @@ async def test_reservers_queued_on_a_failed_retryable_row_yield_exactly_one_exec
 async def cached(
     pg_pool: asyncpg.Pool, redis_client: aioredis.Redis, redis_prefix: str
 ) -> AsyncIterator[PostgresStore]:
-    cache = CompletedCache(redis_client, prefix=redis_prefix)
-    yield PostgresStore(pg_pool, cache=cache)
-    await cache.aclose()
+    yield PostgresStore(pg_pool, cache=CompletedCache(redis_client, prefix=redis_prefix))
 
 
 async def test_a_key_resolved_not_executed_through_a_cached_store_runs_again(
@@ -358,7 +356,7 @@ async def test_a_key_resolved_not_executed_through_a_cached_store_runs_again(
 # --- a handler that ends the library's transaction, waits on a lock, or is evicted mid-call ----
 
 
-@pytest.mark.parametrize("ends_with", ["ROLLBACK", "COMMIT"])
+@pytest.mark.parametrize("ends_with", ["ROLLBACK", "COMMIT", "COMMIT; BEGIN"])
 async def test_a_handler_that_ends_the_transaction_itself_never_runs_twice(
     store: PostgresStore, pg_pool: asyncpg.Pool, ledger: str, scope: str, ends_with: str
 ) -> None:
@@ -382,6 +380,35 @@ async def test_a_handler_that_ends_the_transaction_itself_never_runs_twice(
         assert record.status is Status.UNKNOWN and verdicts[0].reconcile
     else:  # its COMMIT committed the claim: that record is the truth
         assert record.status is Status.COMPLETED
+    if ends_with == "COMMIT; BEGIN":  # what it wrote in the transaction it began is gone
+        assert await rows(pg_pool, scope) == {}
+
+
+async def test_a_handler_that_commits_a_reacquired_claim_parks_it_at_once(
+    store: PostgresStore, pg_pool: asyncpg.Pool, ledger: str, scope: str
+) -> None:
+    calls = 0
+
+    @idempotent_consumer(store, scope=scope, backoff=(0.01, 0.05))
+    async def flaky(message: ConsumerMessage, conn: asyncpg.Connection) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise Retryable("first attempt fails: the key becomes failed_retryable")
+        await conn.execute("INSERT INTO edge_ledger VALUES ($1, 'before', 1)", scope)
+        await conn.execute("COMMIT; BEGIN")  # the re-acquired lease is committed with it
+        await conn.execute("INSERT INTO edge_ledger VALUES ($1, 'after', 1)", scope)
+        return {"ok": True}
+
+    first = await flaky.process(msg("k", {"n": 1}))
+    assert first.action is Action.RETRY
+    second = await flaky.process(msg("k", {"n": 1}))
+    third = await flaky.process(msg("k", {"n": 1}))
+    assert calls == 2, (second, third)  # what it committed is durable: never run again
+    record = await store.get(scope, "k")
+    assert record is not None and record.status is Status.UNKNOWN, record
+    assert second.reconcile and second.action is Action.ACK
+    assert await rows(pg_pool, scope) == {"before": 1}
 
 
 async def test_a_lock_wait_in_the_handler_is_a_wait_not_a_handler_failure(
@@ -548,11 +575,36 @@ async def test_evicting_a_record_drops_its_kept_original(store: PostgresStore, s
     first = await store.reserve(scope, "k", FP)
     await store.mark_unknown(scope, "k", first.token)
     old = make_notice(scope, "k", "timeout", source="orders", original=msg("k", {"amount": 1}))
-    assert await store.keep_original(scope, "k", old) is Status.UNKNOWN
+    assert await store.redispatch.keep_original(scope, "k", old) is Status.UNKNOWN
     await store.evict(scope, "k")  # an operator; later the same key comes with another body
     second = await store.reserve(scope, "k", FP)
     await store.mark_unknown(scope, "k", second.token)
     new = make_notice(scope, "k", "timeout", source="orders", original=msg("k", {"amount": 2}))
-    assert await store.keep_original(scope, "k", new) is Status.UNKNOWN
-    armed = await store.resolve_not_executed(scope, "k", NotExecuted("no charge"), due_in=0)
+    assert await store.redispatch.keep_original(scope, "k", new) is Status.UNKNOWN
+    armed = await store.reconciliation.resolve_not_executed(
+        scope, "k", NotExecuted("no charge"), due_in=0
+    )
     assert armed is not None and json.loads(armed.notice.body or b"") == {"amount": 2}
+
+
+async def test_a_two_phase_poison_message_is_dead_lettered_not_parked(
+    store: PostgresStore, scope: str
+) -> None:
+    charged: list[int] = []
+
+    @idempotent_consumer(store, scope=scope, mode="two_phase", backoff=(0.01, 0.05))
+    async def charge(message: ConsumerMessage, attempt: Attempt) -> Any:
+        amount = message.json().get("amount")
+        if amount is None:  # refused before the gateway is called
+            raise PoisonMessage("amount_missing", "no amount")
+        charged.append(amount)
+        return {"charged": amount}
+
+    verdict = await charge.process(msg("k", {"n": 1}))
+    assert verdict.action is Action.DEAD_LETTER and verdict.reason == "amount_missing", verdict
+    assert not verdict.reconcile
+    assert await store.get(scope, "k") is None  # the key is free again
+    corrected = await charge.process(msg("k", {"amount": 5}))
+    assert corrected.action is Action.ACK and charged == [5]
+    record = await store.get(scope, "k")
+    assert record is not None and record.status is Status.COMPLETED

@@ -219,7 +219,7 @@ async def test_two_phase_owner_that_outlived_its_lease_cannot_complete(
 ) -> None:
     async def slow(attempt: Attempt) -> Any:
         await asyncio.sleep(0.6)
-        await store.sweep()  # the sweeper ran while we were slow
+        await store.maintenance.sweep()  # the sweeper ran while we were slow
         return "too late"
 
     outcome = await run_two_phase(store, scope, "k", FP, slow, lease=0.3)

@@ -23,9 +23,9 @@ from faststream.kafka import KafkaBroker, KafkaRouter
 from faststream.rabbit import QueueType, RabbitBroker, RabbitQueue, RabbitRouter
 
 from consumer_idem import Ambiguous, PostgresStore, Status, header
+from consumer_idem.cli.settings import Settings
 from consumer_idem.faststream import CurrentIdempotency, Idempotency, IdempotentConnection
 from consumer_idem.notice import decode_notice
-from consumer_idem.settings import Settings
 from consumer_idem.transports.kafka import to_message
 from examples.payments_producer import plan, send_kafka, send_rabbit
 from handlers.payments import ensure_tables

@@ -22,7 +22,6 @@ import pytest
 from consumer_idem import (
     Ambiguous,
     Attempt,
-    Backoff,
     ConsumerMessage,
     Executed,
     IdempotentConsumer,
@@ -32,6 +31,7 @@ from consumer_idem import (
     Verdict,
     idempotent_consumer,
 )
+from consumer_idem.backoff import Backoff
 from consumer_idem.consumer import Action
 from consumer_idem.notice import encode_notice
 from consumer_idem.operations.reconcile import Reconciler, StillUnknown, Sweeper
@@ -245,7 +245,7 @@ def _sweeping(store: PostgresStore) -> asyncio.Task[None]:
 
     async def sweep() -> None:
         while True:
-            await store.sweep()
+            await store.maintenance.sweep()
             await asyncio.sleep(0.05)
 
     return asyncio.create_task(sweep())
@@ -489,7 +489,7 @@ async def test_reconciler(
         # the work is not lost: the row may run again and its message was re-sent
         assert record.status.value == "failed_retryable"
         assert [n.key for n in transport.redispatched][:1] == ["k"], transport.events
-        pending = await PostgresStore(pg_pool).pending_redispatches(10, [scope])
+        pending = await PostgresStore(pg_pool).redispatch.pending_redispatches(10, [scope])
         assert pending == []
     else:
         assert record.status.value == "unknown" and record.reconcile_after is not None
@@ -543,7 +543,7 @@ async def test_replay(pg_pool: asyncpg.Pool, effects: None, scope: str, fault: F
         async def source() -> Any:
             item = kept.pop(0)
 
-            async def ack(settled: bool) -> None:
+            async def ack(settled: bool, verdict: Any = None) -> None:
                 acked.append(settled)
                 if not settled:
                     kept.append(item)

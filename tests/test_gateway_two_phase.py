@@ -12,7 +12,7 @@ import httpx
 from aiokafka import AIOKafkaProducer
 
 from consumer_idem import PostgresStore, ResultKind, Status, header, idempotent_consumer
-from consumer_idem.settings import Settings
+from consumer_idem.cli.settings import Settings
 from consumer_idem.transports.kafka import KafkaRunner
 from handlers.gateway import CHARGES_SQL, GatewayClient, charge_handler, record_charge
 from tests._payments import read_topic, send_raw, wait_until

@@ -10,9 +10,8 @@ from consumer_idem import (
     fingerprint_bytes,
     fingerprint_json,
     fingerprint_payload,
-    normalize_key,
-    validate_scope,
 )
+from consumer_idem.keys import normalize_key, validate_scope
 
 
 @pytest.mark.parametrize(

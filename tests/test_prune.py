@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 
 import asyncpg
 
-from consumer_idem import PostgresStore
+from consumer_idem import PostgresStore, PruneReport
 
 
 async def test_prune_100k_expired_rows_in_short_batches_from_three_pruners(
@@ -28,11 +29,27 @@ async def test_prune_100k_expired_rows_in_short_batches_from_three_pruners(
         scope,
     )
     pruners = [PostgresStore(pg_pool, schema=store.schema) for _ in range(3)]
-    counts = await asyncio.gather(*(p.prune(batch_size=1000) for p in pruners))
-    assert sum(counts) == 100_000  # SKIP LOCKED: no row deleted twice, none missed
-    longest = max(p.last_prune.longest_statement_s for p in pruners)
-    batches = sum(p.last_prune.batches for p in pruners)
+    largest: list[int] = []
+
+    def batch_sizes() -> Callable[[PruneReport], None]:
+        """Each pruner's rows per statement, from its running totals."""
+        seen = 0
+
+        def on_batch(report: PruneReport) -> None:
+            nonlocal seen
+            largest.append(report.rows - seen)
+            seen = report.rows
+
+        return on_batch
+
+    reports = await asyncio.gather(
+        *(p.maintenance.prune(batch_size=1000, on_batch=batch_sizes()) for p in pruners)
+    )
+    assert sum(r.rows for r in reports) == 100_000  # SKIP LOCKED: none deleted twice or missed
+    assert all(r.finished for r in reports)
+    longest = max(r.longest_statement_s for r in reports)
+    batches = sum(r.batches for r in reports)
     print(f"\nprune: 100000 rows, {batches} batches, longest statement {longest * 1000:.1f} ms")
-    assert batches >= 100  # each statement locks one batch of at most 1,000 rows
+    assert batches >= 100 and max(largest) <= 1000  # each statement locks at most one batch
     left = await pg_pool.fetchval(f"SELECT count(*) FROM {store.table} WHERE scope = $1", scope)
     assert left == 100

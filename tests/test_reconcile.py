@@ -24,8 +24,8 @@ from consumer_idem import (
     header,
     idempotent_consumer,
 )
+from consumer_idem.cli.settings import Settings
 from consumer_idem.operations.reconcile import Reconciler, StillUnknown, Sweeper
-from consumer_idem.settings import Settings
 from consumer_idem.transports.kafka import KafkaRunner
 from consumer_idem.types import Record
 from tests._payments import read_topic, send_raw, wait_until
@@ -273,7 +273,7 @@ async def test_a_crash_between_parking_and_publishing_is_caught_by_the_sweeper(
     assert key.encode() in [dict(n.headers)["x-consumer-idem-key"] for n in notices]
     record = await store.get(scope, key)
     assert record is not None and record.reconcile_published_at is not None
-    assert all(r.key != key for r in await store.due_notices(1000))
+    assert all(r.key != key for r in await store.reconciliation.due_notices(1000))
 
 
 async def test_rabbit_not_executed_redispatches_to_the_source_queue(

@@ -151,15 +151,15 @@ async def test_the_sweeper_retries_a_failing_redispatch_with_backoff(
     failing = FakeTransport("raises")
     report = await Sweeper(store, failing, scopes=[scope]).run_once()
     assert report.redispatched == 0
-    (pending,) = await store.pending_redispatches(scopes=[scope], due_only=False)
+    (pending,) = await store.redispatch.pending_redispatches(scopes=[scope], due_only=False)
     assert pending.attempts >= 1 and "broker said no" in (pending.last_error or "")
     # not due again at once: the sweeper backs off
-    assert await store.pending_redispatches(scopes=[scope]) == []
+    assert await store.redispatch.pending_redispatches(scopes=[scope]) == []
     await later(store, scope)
     healthy = FakeTransport()
     report = await Sweeper(store, healthy, scopes=[scope]).run_once()
     assert report.redispatched == 1 and healthy.redispatched[0].body == ORIGINAL.body
-    assert await store.pending_redispatches(scopes=[scope], due_only=False) == []
+    assert await store.redispatch.pending_redispatches(scopes=[scope], due_only=False) == []
 
 
 async def test_a_notice_without_the_original_message_resolves_without_an_outbox_row(
@@ -172,4 +172,4 @@ async def test_a_notice_without_the_original_message_resolves_without_an_outbox_
     reconciler.attach(transport)
     verdict = await reconciler.process(ConsumerMessage(bare))
     assert verdict.action.value == "ack" and transport.redispatched == []
-    assert await store.pending_redispatches(scopes=[scope], due_only=False) == []
+    assert await store.redispatch.pending_redispatches(scopes=[scope], due_only=False) == []

@@ -36,9 +36,9 @@ from consumer_idem import (
     idempotent_consumer,
     kafka_coordinates,
 )
+from consumer_idem.cli.settings import Settings
 from consumer_idem.notice import decode_notice, encode_notice
 from consumer_idem.operations.reconcile import Reconciler
-from consumer_idem.settings import Settings
 from consumer_idem.testing import MemoryTransport, deliver
 from consumer_idem.transports.kafka import KafkaRunner
 from consumer_idem.transports.kafka import to_message as kafka_message
@@ -407,5 +407,5 @@ async def test_a_key_redispatched_max_redispatches_times_goes_to_the_operator(
     assert record is not None and record.status is Status.UNKNOWN
     assert record.reconcile_after is None
     assert (record.last_error or "").startswith("operator: redispatch_exhausted")
-    kept = await store.kept_original(scope, key)
+    kept = await store.redispatch.kept_original(scope, key)
     assert kept is not None and not kept.armed  # still there for the person who settles it

@@ -32,10 +32,10 @@ from consumer_idem import (
     header,
     idempotent_consumer,
 )
+from consumer_idem.cli.settings import Settings
 from consumer_idem.notice import encode_notice
 from consumer_idem.operations.reconcile import Reconciler, Sweeper
 from consumer_idem.operations.replay import kafka_source, replay
-from consumer_idem.settings import Settings
 from consumer_idem.testing import Delivery, MemoryTransport, deliver
 from consumer_idem.transports.kafka import KafkaRunner
 from consumer_idem.transports.settle import Settled, settle
@@ -93,7 +93,7 @@ async def test_not_executed_runs_the_work_acked_as_a_duplicate_of_unknown(
     if parked_by == "swept_lease":  # a worker took the key and was killed mid-call
         await store.reserve(scope, key, charge.prepare(message)[1], lease=0.05)  # type: ignore[index]
         await asyncio.sleep(0.2)
-        assert await store.sweep() >= 1
+        assert (await store.maintenance.sweep()).parked >= 1
     if parked_by == "ambiguous_then_bare_notice":
         first = await deliver(charge.process, message, transport=transport)
         assert first.notices == 1
@@ -110,7 +110,7 @@ async def test_not_executed_runs_the_work_acked_as_a_duplicate_of_unknown(
     assert transport.redispatched, "nothing re-dispatched: the work is lost"
     sent = transport.redispatched[-1]
     assert sent.body == message.body and sent.headers == dict(message.headers)
-    assert await store.kept_original(scope, key) is None  # sent and confirmed: gone
+    assert await store.redispatch.kept_original(scope, key) is None  # sent and confirmed: gone
 
     assert sent.body is not None
     ran = await deliver(charge.process, ConsumerMessage(sent.body, sent.headers))
@@ -134,7 +134,7 @@ async def test_an_unknown_outcome_is_not_acked_while_its_original_cannot_be_kept
     async def down(*args: Any) -> Any:
         raise StoreUnavailable("injected: the database went away")
 
-    monkeypatch.setattr(store, "keep_original", down, raising=False)
+    monkeypatch.setattr(store.redispatch, "keep_original", down)
     transport = MemoryTransport(store)
     delivery = Delivery(message, verdicts=[verdict])
     assert await settle(transport, delivery, verdict) is Settled.RETRY
@@ -143,7 +143,7 @@ async def test_an_unknown_outcome_is_not_acked_while_its_original_cannot_be_kept
     # it comes again, meets the key unknown, and is kept and acked this time
     again = await deliver(charge.process, message, transport=transport)
     assert again.acked
-    kept = await store.kept_original(scope, "pay-down")
+    kept = await store.redispatch.kept_original(scope, "pay-down")
     assert kept is not None and not kept.armed and kept.notice.body == message.body
 
 
@@ -190,16 +190,16 @@ async def test_any_resolution_settles_the_kept_original(store: PostgresStore, sc
     for key in ("pay-no", "pay-yes"):
         message = ConsumerMessage(b"{}", {"idempotency-key": key.encode()})
         assert (await deliver(charge.process, message, transport=transport)).acked
-        kept = await store.kept_original(scope, key)
+        kept = await store.redispatch.kept_original(scope, key)
         assert kept is not None and not kept.armed
-    assert await store.pending_redispatches(scopes=[scope], due_only=False) == []
+    assert await store.redispatch.pending_redispatches(scopes=[scope], due_only=False) == []
     await store.resolve(scope, "pay-no", NotExecuted("no charge"))
     await store.resolve(scope, "pay-yes", Executed({"charge": "ch_1"}))
-    assert await store.kept_original(scope, "pay-yes") is None
+    assert await store.redispatch.kept_original(scope, "pay-yes") is None
     report = await Sweeper(store, transport, scopes=[scope]).run_once()
     assert report.redispatched == 1
     assert [n.key for n in transport.redispatched] == ["pay-no"]
-    assert await store.kept_original(scope, "pay-no") is None
+    assert await store.redispatch.kept_original(scope, "pay-no") is None
 
 
 async def test_an_armed_original_is_disarmed_when_its_key_is_parked_again(
@@ -214,17 +214,19 @@ async def test_an_armed_original_is_disarmed_when_its_key_is_parked_again(
     notice = make_notice(scope, "pay-again", "timeout", source="payments", original=original)
     first = await store.reserve(scope, "pay-again", "v1:fp")
     await store.mark_unknown(scope, "pay-again", first.token, "timeout")
-    assert await store.keep_original(scope, "pay-again", notice) is Status.UNKNOWN
-    armed = await store.resolve_not_executed(scope, "pay-again", NotExecuted("no"), due_in=0)
+    assert await store.redispatch.keep_original(scope, "pay-again", notice) is Status.UNKNOWN
+    armed = await store.reconciliation.resolve_not_executed(
+        scope, "pay-again", NotExecuted("no"), due_in=0
+    )
     assert armed is not None and armed.armed
     again = await store.reserve(scope, "pay-again", "v1:fp")  # the producer's retry runs it
     await store.mark_unknown(scope, "pay-again", again.token, "timeout again")
-    assert await store.keep_original(scope, "pay-again", notice) is Status.UNKNOWN
-    await store.redispatch_done(armed.id)  # the earlier send, confirmed late
-    kept = await store.kept_original(scope, "pay-again")
+    assert await store.redispatch.keep_original(scope, "pay-again", notice) is Status.UNKNOWN
+    await store.redispatch.redispatch_done(armed.id)  # the earlier send, confirmed late
+    kept = await store.redispatch.kept_original(scope, "pay-again")
     assert kept is not None and not kept.armed and kept.id != armed.id
-    assert await store.pending_redispatches(scopes=[scope], due_only=False) == []
-    assert await store.redispatch_count(scope, "pay-again") == 1
+    assert await store.redispatch.pending_redispatches(scopes=[scope], due_only=False) == []
+    assert await store.redispatch.redispatch_count(scope, "pay-again") == 1
 
 
 def test_a_dead_letter_copy_is_kept_for_the_topic_or_queue_it_came_from() -> None:

@@ -11,8 +11,8 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from consumer_idem import ConsumerMessage, PostgresStore, idempotent_consumer, kafka_coordinates
+from consumer_idem.cli.settings import Settings
 from consumer_idem.operations.replay import kafka_source, rabbit_source, replay
-from consumer_idem.settings import Settings
 from examples.payments_producer import plan
 from handlers.payments import ensure_tables, ledger_consumer, record_payment
 from tests._payments import ledger_count

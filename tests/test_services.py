@@ -9,7 +9,7 @@ import asyncpg
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from consumer_idem.settings import Settings
+from consumer_idem.cli.settings import Settings
 
 
 async def test_postgres_round_trip(pg_pool: asyncpg.Pool) -> None:

@@ -16,7 +16,8 @@ import pytest
 from aiokafka import ConsumerRecord
 from aiokafka.errors import KafkaTimeoutError, MessageSizeTooLargeError, NotEnoughReplicasError
 
-from consumer_idem import Action, Backoff, Metrics, Verdict
+from consumer_idem import Action, Metrics, Verdict
+from consumer_idem.backoff import Backoff
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import Notice
 from consumer_idem.transports.kafka import PERMANENT_ERRORS
@@ -53,9 +54,12 @@ def test_backoff_doubles_up_to_its_cap_with_full_jitter() -> None:
 
 
 class Store:
+    """The store's metrics and its reconciliation part (``store.reconciliation``) in one."""
+
     def __init__(self) -> None:
         self.metrics = Metrics()
         self.published: list[tuple[str, str]] = []
+        self.reconciliation = self
 
     async def mark_reconcile_published(self, scope: str, key: str) -> bool:
         self.published.append((scope, key))

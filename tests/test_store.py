@@ -67,8 +67,8 @@ async def test_prune_deletes_expired_rows_and_leaves_live_ones(
     await store.mark_unknown(scope, "parked", d.token)
     for key in ("running", "parked"):
         await age(pg_pool, store, scope, key)
-    pruned = await store.prune(batch_size=10)
-    assert pruned >= 25
+    pruned = await store.maintenance.prune(batch_size=10)
+    assert pruned.rows >= 25 and pruned.finished
     left = {
         r["key"]
         for r in await pg_pool.fetch(f"SELECT key FROM {store.table} WHERE scope = $1", scope)
@@ -83,7 +83,7 @@ async def test_soft_prune_expires_then_deletes(
     d = await store.reserve(scope, "k", FP)
     await store.complete(scope, "k", d.token, "r")
     await age(pg_pool, store, scope, "k")
-    await store.prune(policy=PrunePolicy.SOFT)
+    await store.maintenance.prune(policy=PrunePolicy.SOFT)
     record = await store.get(scope, "k")
     assert record is not None and record.status is Status.EXPIRED
     # an expired record is never replayed: the key is new work again, whatever its payload
@@ -91,9 +91,9 @@ async def test_soft_prune_expires_then_deletes(
     assert fresh.kind is DecisionKind.EXECUTE and fresh.record.result is None
     await store.fail_retryable(scope, "k", fresh.token)
     await age(pg_pool, store, scope, "k")
-    await store.prune(policy=PrunePolicy.SOFT)
+    await store.maintenance.prune(policy=PrunePolicy.SOFT)
     await age(pg_pool, store, scope, "k")
-    await store.prune(policy=PrunePolicy.SOFT)
+    await store.maintenance.prune(policy=PrunePolicy.SOFT)
     assert await store.get(scope, "k") is None
 
 
@@ -120,3 +120,60 @@ async def test_an_unmigrated_schema_is_a_configuration_error_naming_the_fix(
 def test_schema_name_is_validated(pg_pool: asyncpg.Pool) -> None:
     with pytest.raises(ValueError, match="invalid schema"):
         PostgresStore(pg_pool, schema='x"; drop table y; --')
+
+
+async def test_a_key_that_fails_again_lives_its_full_retention_again(
+    store: PostgresStore, pg_pool: asyncpg.Pool, scope: str
+) -> None:
+    """A failed_retryable key whose expiry passed is not pruned between two attempts: each
+    re-acquisition, recorded failure and "not executed" resolution extends it."""
+    from consumer_idem import NotExecuted
+
+    first = await store.reserve(scope, "k", FP)
+    assert first.token is not None
+    await store.fail_retryable(scope, "k", first.token, "boom")
+    await age(pg_pool, store, scope, "k")
+    again = await store.reserve(scope, "k", FP)  # re-acquired past its old expiry
+    assert again.kind is DecisionKind.EXECUTE and again.record.attempts == 2
+    assert again.record.expires_at > again.record.updated_at  # extended, not left behind
+
+    await store.fail_retryable(scope, "k", again.token, "boom")  # type: ignore[arg-type]
+    await age(pg_pool, store, scope, "k")
+    recorded = await store.fast_path.record_failure(
+        scope, "k", FP, "failed_retryable", "boom again"
+    )
+    assert recorded is not None and recorded.attempts == 3
+    assert recorded.expires_at > recorded.updated_at
+
+    await age(pg_pool, store, scope, "k")
+    await pg_pool.execute(
+        f"UPDATE {store.table} SET status = 'unknown' WHERE scope = $1 AND key = $2", scope, "k"
+    )
+    resolved = await store.resolve(scope, "k", NotExecuted())
+    assert resolved.status is Status.FAILED_RETRYABLE
+    assert resolved.expires_at > resolved.updated_at
+
+
+async def test_reserve_gives_up_on_contention_with_a_transient_error(
+    store: PostgresStore, pg_pool: asyncpg.Pool
+) -> None:
+    """Losing every round of the reservation loop is contention: SQLSTATE 40001, an outage the
+    caller waits out, never data refused (which would dead-letter the delivery)."""
+    source = await pg_pool.fetchval(
+        "SELECT prosrc FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+        " WHERE n.nspname = $1 AND p.proname = 'reserve'",
+        store.schema,
+    )
+    assert "ERRCODE = 'serialization_failure'" in source
+    from consumer_idem.stores.postgres.errors import kind_of
+
+    class Contention(asyncpg.SerializationError):
+        pass
+
+    assert kind_of(Contention("changed under every attempt")) is StoreUnavailable
+
+
+def test_two_migrations_with_one_version_are_refused() -> None:
+    found = migrate.available()
+    with pytest.raises(RuntimeError, match=r"share version\(s\) \[4\]"):
+        migrate.check_versions([*found, migrate.Migration(4, "another", "SELECT 1")])

@@ -92,6 +92,7 @@ def make_machine(dsn: str) -> type[RuleBasedStateMachine]:
                 row.status, row.token = "in_progress", decision.record.owner_token
                 row.attempts += 1
                 row.lease_expired = False
+                row.aged = False  # re-acquired: it lives its full retention again
             elif row.lease_expired:
                 expected = DecisionKind.UNKNOWN
                 assert decision.zombie
@@ -143,8 +144,8 @@ def make_machine(dsn: str) -> type[RuleBasedStateMachine]:
             self.run(self.store.resolve(self.scope, key, resolution))
             if executed:
                 row.status, row.result, row.aged = "completed", result, False
-            else:
-                row.status = "failed_retryable"
+            else:  # free to run again, for its full retention
+                row.status, row.aged = "failed_retryable", False
 
         @rule(key=KEYS)
         def expire_lease(self, key: str) -> None:
@@ -162,7 +163,7 @@ def make_machine(dsn: str) -> type[RuleBasedStateMachine]:
 
         @rule()
         def sweep(self) -> None:
-            self.run(self.store.sweep())
+            self.run(self.store.maintenance.sweep())
             for row in self.model.values():
                 if row.status == "in_progress" and row.lease_expired:
                     row.status, row.token, row.lease_expired = "unknown", None, False
@@ -183,7 +184,7 @@ def make_machine(dsn: str) -> type[RuleBasedStateMachine]:
         @rule(soft=st.booleans())
         def prune(self, soft: bool) -> None:
             policy = PrunePolicy.SOFT if soft else PrunePolicy.DELETE
-            self.run(self.store.prune(policy=policy, audit_retention=0))
+            self.run(self.store.maintenance.prune(policy=policy, audit_retention=0))
             for key, row in list(self.model.items()):
                 if not row.aged or row.status in ("in_progress", "unknown"):
                     continue

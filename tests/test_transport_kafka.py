@@ -25,7 +25,7 @@ from consumer_idem import (
     header,
     idempotent_consumer,
 )
-from consumer_idem.settings import Settings
+from consumer_idem.cli.settings import Settings
 from consumer_idem.transports.kafka import KafkaRunner
 from handlers.payments import ensure_tables, record_payment
 from tests._payments import ledger_count, payment, read_topic, send_raw, wait_until

@@ -21,7 +21,7 @@ from consumer_idem import (
     header,
     idempotent_consumer,
 )
-from consumer_idem.settings import Settings
+from consumer_idem.cli.settings import Settings
 from consumer_idem.transports.rabbit import RabbitRunner
 from handlers.payments import ensure_tables, record_payment
 from tests._broker import Outage

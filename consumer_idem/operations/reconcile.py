@@ -5,7 +5,11 @@
   row is the truth: a notice for a row that is no longer ``unknown`` is acked and counted) and
   asks your resolver, which answers :class:`Executed` (store this result -> ``completed``),
   :class:`NotExecuted` (-> ``failed_retryable``, and the original message is re-dispatched so
-  it runs once) or :class:`StillUnknown` (ask again later, with exponential backoff). After
+  it runs once) or :class:`StillUnknown` (ask again later, with exponential backoff). An
+  ``Executed`` answer for a two-phase scope with ``local_writes`` runs those writes with the
+  resolver's result in the resolution's transaction (pass ``local_writes={scope: fn}``, e.g.
+  ``{charge.scope: charge.local_writes}``): the local rows a completion would have committed
+  are not lost with it. After
   ``max_attempts`` answers, or once the record is older than ``max_age``, the case goes to the
   operator dead-letter destination and stays ``unknown`` until a person resolves it.
 * "Not executed" is ordered like an outbox. Every delivery acked with an ``unknown`` outcome
@@ -34,22 +38,46 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Collection, Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime, timedelta
 
 from consumer_idem.backoff import Backoff
+from consumer_idem.commit import commit, rollback
 from consumer_idem.consumer import Action, Verdict
-from consumer_idem.errors import CommitRolledBack, NotUnknown, StoreUnavailable
+from consumer_idem.errors import (
+    CommitRolledBack,
+    ConsumerIdemError,
+    NotUnknown,
+    PublishRefused,
+    StoreUnavailable,
+)
+from consumer_idem.execution import LocalWrites
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import Notice, decode_notice, encode_notice
-from consumer_idem.stores.postgres.store import Executed, NotExecuted, PostgresStore
-from consumer_idem.transports.settle import Publisher, PublishRefused
-from consumer_idem.types import Record, Status
+from consumer_idem.stores.postgres.store import PostgresStore
+from consumer_idem.transports.settle import Publisher
+from consumer_idem.types import Executed, NotExecuted, Record, Status
 
 log = logging.getLogger("consumer_idem.reconcile")
 
 RECONCILER_SCOPE = "consumer_idem.reconcile"
+
+#: what the reconciler did with a notice (the reason of its verdict), in the store's terms
+OUTCOMES = {
+    "executed": "resolved executed -> completed",
+    "not_executed": "resolved not executed -> failed_retryable (it runs again)",
+    "rescheduled": "still unknown, asked again later",
+    "reconcile_exhausted": "handed to the operator (attempts or age exhausted)",
+    "redispatch_exhausted": "handed to the operator (re-dispatched too often)",
+    "stale_notice": "already settled (stale notice)",
+    "other_scope": "left to another reconciler (other scope)",
+    "invalid_notice": "not a notice (sent to the operator)",
+    "store_unavailable": "store unavailable (notice retried)",
+}
+#: outcomes that need a person: a run with any of them did not settle everything it could
+NEEDS_OPERATOR = frozenset({"reconcile_exhausted", "redispatch_exhausted", "invalid_notice"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +117,11 @@ class Reconciler:
         scopes: Collection[str] | None = None,
         redispatch_grace: timedelta | float = timedelta(seconds=60),
         max_redispatches: int | None = 5,
+        local_writes: Mapping[str, LocalWrites] | None = None,
     ) -> None:
         self.store = store
+        #: per scope, the two-phase ``local_writes`` an ``Executed`` answer commits with it
+        self.local_writes = dict(local_writes or {})
         #: re-dispatches of one key before "not executed" goes to the operator instead (None:
         #: no bound)
         self.max_redispatches = max_redispatches
@@ -110,6 +141,8 @@ class Reconciler:
         self.redispatch = redispatch
         #: the runner this reconciler runs on, for re-dispatching (set by ``attach``)
         self.transport: Transport | None = None
+        #: notices handled so far, by the reason of their verdict (see :data:`OUTCOMES`)
+        self.tally: Counter[str] = Counter()
 
     def attach(self, transport: Transport) -> None:
         self.transport = transport
@@ -126,10 +159,15 @@ class Reconciler:
         return verdicts
 
     async def process(self, message: ConsumerMessage) -> Verdict:
+        verdict = await self._process(message)
+        self.tally[verdict.reason or ""] += 1
+        return verdict
+
+    async def _process(self, message: ConsumerMessage) -> Verdict:
         try:
             notice = decode_notice(message)
         except ValueError as exc:
-            log.warning("not a reconciliation notice: %s", exc)
+            log.warning("not a reconciliation notice (sent to the operator): %s", exc)
             return Verdict(Action.DEAD_LETTER, self.scope, reason="invalid_notice")
         try:
             return await self._settle(notice)
@@ -154,36 +192,92 @@ class Reconciler:
         try:
             answer = await self.resolver(record)
         except Exception as exc:  # a resolver that fails has not answered
-            log.warning("resolver failed: %r", exc, extra={"scope": scope, "key": key})
+            log.warning(
+                "scope=%s key=%s: resolver failed (counts as still unknown): %r",
+                scope,
+                key,
+                exc,
+                extra={"scope": scope, "key": key},
+            )
             answer = StillUnknown(f"resolver error: {type(exc).__name__}: {exc}")
         try:
             if isinstance(answer, Executed):
-                await self.store.resolve(scope, key, answer)
-                return Verdict(Action.ACK, scope, key, reason="executed")
+                failed = await self._executed(scope, key, answer)
+                if failed is None:
+                    return Verdict(Action.ACK, scope, key, reason="executed")
+                answer = failed  # the local writes failed: nothing was resolved, ask again
             if isinstance(answer, NotExecuted):
                 return await self._not_executed(notice, answer)
             attempts = record.reconcile_attempts + 1
             age = datetime.now(UTC) - record.created_at
             if attempts >= self.max_attempts or age >= self.max_age:
-                await self.store.hand_to_operator(
+                await self.store.reconciliation.hand_to_operator(
                     scope, key, f"{answer.reason} after {attempts} attempts"
                 )
                 # the runner's dead-letter destination is the operator's queue
                 return Verdict(Action.DEAD_LETTER, scope, key, reason="reconcile_exhausted")
-            await self.store.reschedule(scope, key, self.delay(attempts), answer.reason)
+            delay = self.delay(attempts)
+            await self.store.reconciliation.reschedule(scope, key, delay, answer.reason)
+            log.info(
+                "scope=%s key=%s: still unknown (%s); asking again in %.0fs (attempt %d of %d)",
+                scope,
+                key,
+                answer.reason,
+                delay,
+                attempts,
+                self.max_attempts,
+                extra={"scope": scope, "key": key},
+            )
             return Verdict(Action.ACK, scope, key, reason="rescheduled")
         except NotUnknown:  # settled by someone else meanwhile (a webhook, an operator)
             return Verdict(Action.ACK, scope, key, reason="stale_notice", duplicate=True)
+
+    async def _executed(self, scope: str, key: str, answer: Executed) -> StillUnknown | None:
+        """Store the result, and commit the scope's local writes with it when it has some.
+        Returns why it could not (the local writes raised: rolled back, asked again later)."""
+        writes = self.local_writes.get(scope)
+        if writes is None:
+            await self.store.resolve(scope, key, answer)
+            return None
+        async with self.store.connection() as conn:
+            await conn.execute("BEGIN")
+            try:
+                await self.store.resolve(scope, key, answer, conn=conn)
+                await writes(conn, answer.result)
+            except ConsumerIdemError:  # NotUnknown, StoreUnavailable: the caller decides
+                await rollback(conn)
+                raise
+            except Exception as exc:
+                await rollback(conn)
+                log.warning(
+                    "scope=%s key=%s: executed, but its local writes failed (rolled back, "
+                    "asked again later): %r",
+                    scope,
+                    key,
+                    exc,
+                    extra={"scope": scope, "key": key},
+                )
+                return StillUnknown(f"local_writes failed: {type(exc).__name__}: {exc}"[:500])
+            except BaseException:
+                await rollback(conn)
+                raise
+            try:
+                await commit(conn)
+            except ConsumerIdemError:
+                raise
+            except Exception as exc:  # the COMMIT's fate is unknown: resolution and rows together
+                raise self.store.error_for("resolve", exc, scope) from exc
+        return None
 
     async def _not_executed(self, notice: Notice, answer: NotExecuted) -> Verdict:
         scope, key = notice.scope, notice.key
         extra = {"scope": scope, "key": key}
         if self.max_redispatches is not None:
-            sent = await self.store.redispatch_count(scope, key)
+            sent = await self.store.redispatch.redispatch_count(scope, key)
             if sent >= self.max_redispatches:
                 # every re-run ended unknown again: a person must look (the kept original
                 # stays; resolving the record "not executed" arms it)
-                await self.store.hand_to_operator(
+                await self.store.reconciliation.hand_to_operator(
                     scope,
                     key,
                     f"redispatch_exhausted: re-dispatched {sent} times, each run ended "
@@ -191,7 +285,7 @@ class Reconciler:
                 )
                 return Verdict(Action.DEAD_LETTER, scope, key, reason="redispatch_exhausted")
         # resolution and the armed original commit together: from here the work cannot be lost
-        entry = await self.store.resolve_not_executed(
+        entry = await self.store.reconciliation.resolve_not_executed(
             scope,
             key,
             answer,
@@ -200,8 +294,10 @@ class Reconciler:
         )
         if entry is None:
             log.info(
-                "no original message kept or carried: no delivery of it was acked, so the broker "
-                "delivers it again and that runs it",
+                "scope=%s key=%s: no original message kept or carried: no delivery of it was "
+                "acked, so the broker delivers it again and that runs it",
+                scope,
+                key,
                 extra=extra,
             )
         elif self.redispatch:
@@ -211,31 +307,62 @@ class Reconciler:
     async def _redispatch(self, outbox_id: int, notice: Notice) -> None:
         """Send the original message now, if it can be; whatever fails, its outbox row stays
         and the sweeper sends it (the notice can be acked either way)."""
-        extra = {"scope": notice.scope, "key": notice.key}
+        scope, key = notice.scope, notice.key
+        extra = {"scope": scope, "key": key}
         if self.transport is None:
-            log.info("no transport attached: the sweeper re-dispatches it", extra=extra)
+            log.info(
+                "scope=%s key=%s: no transport attached: the sweeper re-dispatches it",
+                scope,
+                key,
+                extra=extra,
+            )
             return
         try:
             sent = await self.transport.redispatch(notice)
         except Exception as exc:  # refused, or anything else: the outbox keeps it
-            log.warning("re-dispatch failed (%r); the sweeper retries it", exc, extra=extra)
+            log.warning(
+                "scope=%s key=%s: re-dispatch to %s failed (%r); the sweeper retries it",
+                scope,
+                key,
+                notice.source,
+                exc,
+                extra=extra,
+            )
             with contextlib.suppress(StoreUnavailable):
-                await self.store.redispatch_failed(
+                await self.store.redispatch.redispatch_failed(
                     outbox_id, repr(exc), REDISPATCH_BACKOFF.delay(1)
                 )
             return
         if not sent:  # stopping: the outbox row stays, due after the grace period
-            log.info("re-dispatch not sent (stopping); the sweeper sends it", extra=extra)
+            log.info(
+                "scope=%s key=%s: re-dispatch not sent (stopping); the sweeper sends it",
+                scope,
+                key,
+                extra=extra,
+            )
             return
         with contextlib.suppress(StoreUnavailable):  # lost: the sweeper sends a duplicate,
-            await self.store.redispatch_done(outbox_id)  # which the consumer replays
+            await self.store.redispatch.redispatch_done(outbox_id)  # which the consumer replays
 
 
-@dataclass
-class SweepReport:
+@dataclass(frozen=True, slots=True)
+class SweeperReport:
+    """What one pass of the :class:`Sweeper` did (or, summed, all of them)."""
+
     zombies: int = 0  #: expired leases parked as unknown
     published: int = 0  #: due notices published
+    refused: int = 0  #: due notices the broker refused (still due: tried on the next pass)
     redispatched: int = 0  #: due re-dispatches of the outbox sent
+    redispatch_failed: int = 0  #: re-dispatches that failed (kept, due again after a backoff)
+
+    def __add__(self, other: SweeperReport) -> SweeperReport:
+        return SweeperReport(
+            *(getattr(self, f.name) + getattr(other, f.name) for f in fields(self))
+        )
+
+    @property
+    def failures(self) -> int:
+        return self.refused + self.redispatch_failed
 
 
 class Sweeper:
@@ -254,64 +381,96 @@ class Sweeper:
         self.transport = transport
         self.batch = batch
         self.scopes = None if scopes is None else sorted(scopes)
+        #: every pass so far, summed
+        self.total = SweeperReport()
 
-    async def run_once(self) -> SweepReport:
-        report = SweepReport(zombies=await self.store.sweep())
-        report.published = await self._notices()
-        report.redispatched = await self._redispatches()
+    async def run_once(self) -> SweeperReport:
+        swept = await self.store.maintenance.sweep()
+        published, refused = await self._notices()
+        redispatched, failed = await self._redispatches()
+        report = SweeperReport(swept.parked, published, refused, redispatched, failed)
+        self.total += report
         return report
 
-    async def _notices(self) -> int:
-        published = 0
+    async def _notices(self) -> tuple[int, int]:
+        """(published, refused)."""
+        published = refused = 0
         while True:
-            due = await self.store.due_notices(self.batch, self.scopes)
+            due = await self.store.reconciliation.due_notices(self.batch, self.scopes)
             sent = 0
             for record in due:
                 body = encode_notice(record.scope, record.key, record.last_error)
                 try:
                     ok = await self.transport.publish_notice(record.scope, record.key, body)
                 except PublishRefused as exc:  # stays due: tried again on the next sweep
-                    log.error("notice refused: %s", exc, extra={"scope": record.scope})
+                    refused += 1
+                    log.error(
+                        "scope=%s key=%s: reconciliation notice refused, tried again on the "
+                        "next sweep: %s",
+                        record.scope,
+                        record.key,
+                        exc,
+                        extra={"scope": record.scope, "key": record.key},
+                    )
                     continue
                 if not ok:  # stopping
-                    return published + sent
+                    return published + sent, refused
                 sent += 1
             published += sent
             if len(due) < self.batch or sent < len(due):  # not all went: do not spin on them
-                return published
+                return published, refused
 
-    async def _redispatches(self) -> int:
-        redispatched = 0
+    async def _redispatches(self) -> tuple[int, int]:
+        """(sent, failed)."""
+        redispatched = failed = 0
         while True:
-            due = await self.store.pending_redispatches(self.batch, self.scopes)
+            due = await self.store.redispatch.pending_redispatches(self.batch, self.scopes)
             for entry in due:
-                extra = {"scope": entry.notice.scope, "key": entry.notice.key}
+                scope, key = entry.notice.scope, entry.notice.key
+                extra = {"scope": scope, "key": key}
                 try:
                     sent = await self.transport.redispatch(entry.notice)
                 except Exception as exc:  # kept, due again after a backoff
-                    log.warning("re-dispatch failed (%r); retrying later", exc, extra=extra)
-                    await self.store.redispatch_failed(
+                    failed += 1
+                    log.warning(
+                        "scope=%s key=%s: re-dispatch to %s failed (%r); retrying later",
+                        scope,
+                        key,
+                        entry.notice.source,
+                        exc,
+                        extra=extra,
+                    )
+                    await self.store.redispatch.redispatch_failed(
                         entry.id, repr(exc), REDISPATCH_BACKOFF.delay(entry.attempts + 1)
                     )
                     continue
                 if not sent:  # stopping
-                    return redispatched
-                await self.store.redispatch_done(entry.id)
+                    return redispatched, failed
+                await self.store.redispatch.redispatch_done(entry.id)
                 redispatched += 1
-                log.info("re-dispatched from the outbox", extra=extra)
+                log.info(
+                    "scope=%s key=%s: original re-dispatched to %s from the outbox",
+                    scope,
+                    key,
+                    entry.notice.source,
+                    extra=extra,
+                )
             if len(due) < self.batch:
-                return redispatched
+                return redispatched, failed
 
     async def run(self, stop: asyncio.Event, interval: float = 5.0) -> None:
         while not stop.is_set():
             try:
                 report = await self.run_once()
-                if report.zombies or report.published or report.redispatched:
+                if report != SweeperReport():
                     log.info(
-                        "sweep: %d zombies parked, %d notices published, %d re-dispatched",
+                        "sweep: %d zombies parked, %d notices published (%d refused), "
+                        "%d re-dispatched (%d failed)",
                         report.zombies,
                         report.published,
+                        report.refused,
                         report.redispatched,
+                        report.redispatch_failed,
                     )
             except StoreUnavailable as exc:
                 log.warning("sweep failed, will retry: %s", exc)

@@ -1,11 +1,26 @@
-"""A Redis cache of completed records in front of the Postgres store.
+"""A Redis cache of completed records in front of the Postgres store, through redis-py.
 
 A duplicate of completed work is answered from Redis without a Postgres round trip. Postgres
 stays the authority: only ``completed`` records are ever cached, only after their Postgres
 commit (or when Postgres itself answers a replay); a miss, an error or a Redis outage falls
 through to Postgres (and a short circuit breaker stops asking Redis for a few seconds, so an
-outage costs no latency); ``evict`` and ``prune`` remove entries. A completed record never
-changes in Postgres except by deletion or expiry, which is why serving it from a cache is safe.
+outage costs no latency). A completed record never changes in Postgres except by deletion
+(``evict``) or expiry (``prune``), which is why serving it from a cache is safe.
+
+Three rules keep it so:
+
+* **Keys name their store.** An entry's key holds the store's database and schema besides the
+  scope and key, so stores that share one Redis never answer each other's keys.
+* **An evict is final.** A lookup reads the key's *fence* together with the entry (one ``MGET``);
+  a miss leaves the caller a ticket with the fence it saw. ``evict`` replaces the fence with a
+  fresh random token and deletes the entry, in one script, after the row is gone from Postgres.
+  A fill is a script that writes the entry only while the fence is still the one on the ticket,
+  and the ticket was taken before the caller read Postgres. So a reader that read the row before
+  the evict, however late its fill arrives, in this process or any other, cannot bring the entry
+  back. A ticket lives in the caller's task (a context variable), never shared between callers.
+* **A cancelled caller is not an outage.** Each lookup is its own redis-py command: cancelling one
+  caller cancels only its command (redis-py drops that connection), never another caller's, and
+  never opens the breaker, which only errors and timeouts do.
 """
 
 from __future__ import annotations
@@ -14,30 +29,69 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from contextvars import ContextVar
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 from consumer_idem.metrics import Metrics
 from consumer_idem.types import Record, ResultKind, Status, StoredResponse
 
-if TYPE_CHECKING:
-    from consumer_idem.stores.resp import RespConnection
-
 log = logging.getLogger("consumer_idem.stores.cache")
+
+T = TypeVar("T")
+
+#: KEYS: entry, fence. ARGV: the fence the caller saw ('' for none), the entry, its TTL in ms.
+_FILL = """
+if (redis.call('GET', KEYS[2]) or '') ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return 1
+"""
+#: KEYS: entry, fence. ARGV: a fresh fence token, its TTL in ms.
+_EVICT = """
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+return redis.call('DEL', KEYS[1])
+"""
+#: A ticket older than this fills nothing (the fill is skipped, the next duplicate fills).
+#: Fences outlive it tenfold, so a fence a ticket predates is still there when the ticket is used:
+#: a fence that expired and came back as "none" could otherwise match an old ticket.
+TICKET_SECONDS = 60.0
+FENCE_MS = int(TICKET_SECONDS * 10 * 1000)
+#: tickets kept per task: a task handles a few keys at a time (one delivery, one batch)
+_TICKETS_KEPT = 32
+#: after the store's identity could not be read, wait this long before asking Postgres again
+_IDENTITY_RETRY_SECONDS = 1.0
+
+#: per task: (entry name, the fence seen, when) for each recent miss, newest first
+_tickets: ContextVar[tuple[tuple[str, Any, float], ...]] = ContextVar(
+    "consumer_idem_cache_tickets", default=()
+)
+
+
+class CachedStore(Protocol):
+    """What the cache needs from the store it fronts (:class:`PostgresStore` is one)."""
+
+    schema: str
+    metrics: Metrics
+
+    async def run(
+        self, operation: str, scope: str, conn: Any, call: Callable[[Any], Awaitable[T]]
+    ) -> T: ...
 
 
 class CompletedCache:
-    """``redis``: a ``redis.asyncio`` client. Every call is bounded, by the client's
-    ``socket_timeout`` or else by ``timeout`` seconds here: a slow Redis counts as an outage
-    and falls through to Postgres.
+    """``redis``: a ``redis.asyncio`` client. The cache sends plain commands and scripts only, and
+    the two keys of a record share a Cluster hash tag. Give it a pooled client: concurrent
+    lookups each take a connection. The client stays yours to close.
 
-    With ``fast_path`` (the default) the cache sends its four commands over a pipelined
-    connection of its own (:mod:`consumer_idem.stores.resp`) opened with the client's address,
-    db and credentials, because redis-py's per-command overhead is most of a cached duplicate's
-    cost; a client that needs more (TLS, a credential provider, Sentinel, Cluster) is used as it is.
-    Call :meth:`aclose` when done with the cache; the client stays yours to close."""
+    Every call is bounded, by the client's ``socket_timeout`` or else by ``timeout`` seconds
+    here: a slow Redis counts as an outage and falls through to Postgres. Keys start with
+    ``prefix``, then the store's database and schema (read once from Postgres, on first use),
+    then scope and key. Entries live for ``min(ttl, the record's remaining retention)``.
+
+    Hand the cache to one store (``PostgresStore(pool, cache=cache)``), which attaches it."""
 
     def __init__(
         self,
@@ -48,7 +102,6 @@ class CompletedCache:
         timeout: float = 0.25,
         breaker_seconds: float = 5.0,
         metrics: Metrics | None = None,
-        fast_path: bool = True,
     ) -> None:
         self.redis = redis
         self.prefix = prefix
@@ -57,29 +110,57 @@ class CompletedCache:
         self.breaker_seconds = breaker_seconds
         self.metrics = metrics or Metrics()
         self._open_until = 0.0
-        # lookups waiting for the round trip in flight, then sent together as one MGET
-        self._gathering: list[tuple[str, asyncio.Future[Any] | None]] | None = None
-        self._in_flight = False
-        self._flight_done: asyncio.Future[None] | None = None  # made only when awaited
         # the client's own socket timeout already bounds each read: no second timer then
         pool_options = getattr(getattr(redis, "connection_pool", None), "connection_kwargs", {})
-        client_timeout = pool_options.get("socket_timeout")
-        self._client_bounded = bool(client_timeout)
-        self._fast: RespConnection | None = None
-        if fast_path:  # imported here: the store must not need hiredis without a cache
-            from consumer_idem.stores.resp import RespConnection, endpoint_of
+        self._client_bounded = bool(pool_options.get("socket_timeout"))
+        self._fill = redis.register_script(_FILL)
+        self._evict = redis.register_script(_EVICT)
+        self._store: CachedStore | None = None
+        self._space: str | None = None  # database and schema, once read
+        self._space_lock = asyncio.Lock()
+        self._space_retry_at = 0.0
 
-            endpoint = endpoint_of(redis)
-            if endpoint is not None:
-                self._fast = RespConnection(endpoint, timeout=float(client_timeout or timeout))
+    def attach(self, store: CachedStore) -> None:
+        """Front ``store`` (its constructor calls this): count in its metrics, and key entries
+        by its database and schema. One cache fronts one store."""
+        if self._store is not None and self._store is not store:
+            raise ValueError("this CompletedCache already fronts another store: give each its own")
+        self._store = store
+        self.metrics = store.metrics
 
-    async def aclose(self) -> None:
-        """Close the cache's own connection (the redis-py client is left open)."""
-        if self._fast is not None:
-            await self._fast.aclose()
+    # --- names -----------------------------------------------------------------------------------
 
-    def _key(self, scope: str, key: str) -> str:
-        return f"{self.prefix}{scope}\x1f{key}"  # \x1f cannot occur in a scope or key
+    async def _namespace(self, *, retry_now: bool = False) -> str | None:
+        """``database\\x1fschema`` of the store, or None while Postgres cannot say (the cache
+        then stands aside: lookups miss, fills and evict fences are skipped)."""
+        if self._space is not None:
+            return self._space
+        store = self._store
+        if store is None:
+            raise RuntimeError("a CompletedCache is used through its store: PostgresStore(cache=)")
+        async with self._space_lock:  # one query for the callers waiting on the first use
+            if self._space is None and (retry_now or time.monotonic() >= self._space_retry_at):
+                try:
+                    async with asyncio.timeout(max(self.timeout * 4, 1.0)):
+                        database = await store.run(
+                            "cache_identity",
+                            "",
+                            None,
+                            lambda c: c.fetchval("SELECT current_database()"),
+                        )
+                except Exception:  # already logged by the store; a cancellation propagates
+                    self._space_retry_at = time.monotonic() + _IDENTITY_RETRY_SECONDS
+                else:
+                    self._space = f"{database}\x1f{store.schema}"
+        return self._space
+
+    def _names(self, space: str, scope: str, key: str) -> tuple[str, str]:
+        """The entry and its fence. The braces are a Cluster hash tag: both land on one slot, so
+        one MGET or script reaches both. ``\\x1f`` occurs in no schema, scope or key."""
+        tagged = f"{self.prefix}{{{space}\x1f{scope}\x1f{key}}}"
+        return tagged, tagged + ":fence"
+
+    # --- health ----------------------------------------------------------------------------------
 
     def _available(self) -> bool:
         return time.monotonic() >= self._open_until
@@ -88,130 +169,124 @@ class CompletedCache:
         self.metrics.inc("cache_error", "")
         was_open = not self._available()
         self._open_until = time.monotonic() + self.breaker_seconds
-        if was_open:  # the lookups of one failed MGET: say it once
-            return
-        log.warning(
-            "cache %s failed, using Postgres only for %.0fs: %r",
-            operation,
-            self.breaker_seconds,
-            exc,
-        )
+        if not was_open:
+            log.warning(
+                "cache %s failed, using Postgres only for %.0fs: %r",
+                operation,
+                self.breaker_seconds,
+                exc,
+            )
 
-    async def get(self, scope: str, key: str) -> Record | None:
-        if not self._available():
-            return None
-        try:
-            raw = await self._lookup(self._key(scope, key))
-        except Exception as exc:
-            self._failed("get", exc)
-            return None
-        if raw is None:
-            self.metrics.inc("cache_miss", scope)
-            return None
-        try:
-            record = _decode(scope, key, raw)
-        except (ValueError, KeyError, TypeError) as exc:  # not ours, or not this key's: a miss
-            self.metrics.inc("cache_error", scope)
-            log.warning("cache entry for %r/%r ignored: %r", scope, key, exc)
-            return None
-        self.metrics.inc("cache_hit", scope)
-        return record
-
-    async def _lookup(self, name: str) -> Any:
-        """GET, batched under concurrency: while one round trip is in flight, the lookups that
-        arrive (a consumer's prefetch, an HTTP server) gather and then share one MGET. The
-        client's cost per command, not Redis, is most of what a cached duplicate pays for. A
-        lone lookup goes at once, with no added wait."""
-        batch = self._gathering
-        if batch is not None:  # a batch is gathering: ride along
-            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            batch.append((name, future))
-            return await future
-        if not self._in_flight:
-            return (await self._send([name]))[0]
-        batch = self._gathering = [(name, None)]  # lead the next batch
-        if self._flight_done is None:
-            self._flight_done = asyncio.get_running_loop().create_future()
-        try:
-            await self._flight_done  # resolved (never failed) when that round trip ends
-        except BaseException:
-            self._settle_waiting(batch, None)  # cancelled: the others ask Postgres
-            raise
-        finally:
-            self._gathering = None
-        names = list(dict.fromkeys(n for n, _ in batch))
-        try:
-            values = await self._send(names)
-        except BaseException as exc:
-            self._settle_waiting(batch, exc if isinstance(exc, Exception) else None)
-            raise
-        found = dict(zip(names, values, strict=True))
-        for other, waiting in batch[1:]:
-            if waiting is not None and not waiting.done():
-                waiting.set_result(found[other])
-        return found[name]
-
-    async def _send(self, names: list[str]) -> list[Any]:
-        self._in_flight = True
-        try:
-            if len(names) == 1:
-                return [await self._command("GET", names[0])]
-            return list(await self._command("MGET", *names))
-        finally:
-            self._in_flight = False
-            done, self._flight_done = self._flight_done, None
-            if done is not None:
-                done.set_result(None)
-
-    async def _command(self, *args: str | int) -> Any:
-        """One bounded command: on the cache's own connection (which bounds it), else through
-        redis-py with a timer of ``timeout`` seconds unless the client bounds its reads itself."""
-        if self._fast is not None:
-            return await self._fast.execute(*args)
+    async def _bounded(self, call: Awaitable[T]) -> T:
+        """``call`` bounded by ``timeout`` unless the client's socket timeout bounds it."""
         timer = contextlib.nullcontext() if self._client_bounded else asyncio.timeout(self.timeout)
         async with timer:
-            return await self.redis.execute_command(*args)
+            return await call
 
-    @staticmethod
-    def _settle_waiting(
-        batch: list[tuple[str, asyncio.Future[Any] | None]], error: Exception | None
-    ) -> None:
-        for _, waiting in batch[1:]:
-            if waiting is not None and not waiting.done():
-                if error is None:
-                    waiting.set_result(None)  # a miss: Postgres decides
-                else:
-                    waiting.set_exception(error)
+    # --- the three operations ------------------------------------------------------------------
+
+    async def get(self, scope: str, key: str) -> Record | None:
+        """The cached completed record of ``(scope, key)``, or None (ask Postgres). A miss leaves
+        this task a ticket, which lets a :meth:`put` of this key after the Postgres read fill."""
+        if not self._available():
+            return None
+        space = self._space or await self._namespace()
+        if space is None:
+            return None
+        entry, fence = self._names(space, scope, key)
+        try:
+            raw, seen = await self._bounded(self.redis.execute_command("MGET", entry, fence))
+        except Exception as exc:  # a cancelled caller raises CancelledError: not an outage
+            self._failed("get", exc)
+            return None
+        if raw is not None:
+            try:
+                record = _decode(space, scope, key, raw)
+            except (ValueError, KeyError, TypeError) as exc:  # not ours, or not this key's: a miss
+                self.metrics.inc("cache_error", scope)
+                log.warning("cache entry for %r/%r ignored: %r", scope, key, exc)
+            else:
+                self.metrics.inc("cache_hit", scope)
+                return record
+        self.metrics.inc("cache_miss", scope)
+        now, tickets = time.monotonic(), _tickets.get()
+        # a live ticket of this key stays: the oldest fence is the one that predates every
+        # Postgres read this task made since, whichever of them a later put carries
+        if not any(t[0] == entry and now - t[2] <= TICKET_SECONDS for t in tickets):
+            kept = tuple(t for t in tickets if t[0] != entry)[: _TICKETS_KEPT - 1]
+            _tickets.set(((entry, b"" if seen is None else seen, now), *kept))
+        return None
 
     async def put(self, record: Record) -> None:
-        """Cache a completed record (anything else is ignored: only completed is safe)."""
+        """Cache a completed record (anything else is ignored: only completed is safe) that this
+        task read from or wrote to Postgres after its :meth:`get` of the key missed. It fills
+        only if that miss is less than :data:`TICKET_SECONDS` old and no evict of the key has
+        happened since; the miss's ticket is then used up."""
         if record.status is not Status.COMPLETED or not self._available():
             return
         ttl = min(self.ttl, record.expires_at - datetime.now(UTC))
         if ttl.total_seconds() < 1:
             return
-        name, value = self._key(record.scope, record.key), _encode(record)
+        space = self._space or await self._namespace()
+        if space is None:
+            return
+        entry, fence = self._names(space, record.scope, record.key)
+        tickets = _tickets.get()
+        seen = next((t for t in tickets if t[0] == entry), None)
+        if seen is None or time.monotonic() - seen[2] > TICKET_SECONDS:
+            # no lookup before the Postgres read, in this task: an evict may have come between
+            self.metrics.inc("cache_fill_skipped", record.scope)
+            return
+        _tickets.set(tuple(t for t in tickets if t[0] != entry))
         px = int(ttl / timedelta(milliseconds=1))
+        value = _encode(space, record)
         try:
-            await self._command("SET", name, value, "PX", px)
+            filled = await self._bounded(self._fill(keys=[entry, fence], args=[seen[1], value, px]))
         except Exception as exc:
             self._failed("put", exc)
+            return
+        if not filled:  # an evict came after this task's lookup: the record may be gone
+            self.metrics.inc("cache_fill_fenced", record.scope)
 
     async def delete(self, pairs: Iterable[tuple[str, str]]) -> None:
-        keys = [self._key(scope, key) for scope, key in pairs]
-        if not keys:
+        """Evict: delete the entries and fence them, so that no fill from a Postgres read made
+        before this call lands after it. Call it once the rows are gone (``evict`` does)."""
+        pairs = list(pairs)
+        space = await self._namespace(retry_now=True) if pairs else None
+        if space is None:
+            if pairs:
+                log.warning(
+                    "cache evict of %d key(s) skipped: the store's identity is unknown", len(pairs)
+                )
+            return
+        token = secrets.token_hex(8)  # never a fence seen before, so no old ticket matches it
+        try:
+            for scope, key in pairs:  # evict passes one; prune uses drop_expired
+                names = self._names(space, scope, key)
+                await self._bounded(self._evict(keys=names, args=[token, FENCE_MS]))
+        except Exception as exc:  # a stale entry outlives this only until its TTL
+            self._failed("delete", exc)
+
+    async def drop_expired(self, pairs: Iterable[tuple[str, str]]) -> None:
+        """Delete the entries of expired records (``prune``). No fence: a fill of an expired
+        record is refused by its own TTL (its retention has run out)."""
+        space = await self._namespace()
+        if space is None:
+            return
+        names = [self._names(space, scope, key)[0] for scope, key in pairs]
+        if not names:
             return
         try:
-            await self._command("DEL", *keys)
+            await self._bounded(self.redis.delete(*names))
         except Exception as exc:  # a stale entry outlives this only until its TTL
             self._failed("delete", exc)
 
 
-def _encode(record: Record) -> str:
+def _encode(space: str, record: Record) -> str:
     response = record.response
     return json.dumps(
         {
-            "sk": [record.scope, record.key],
+            "sk": [space, record.scope, record.key],
             "fp": record.fingerprint,
             "res": record.result_json,
             "rk": record.result_kind.value if record.result_kind else None,
@@ -227,9 +302,9 @@ def _encode(record: Record) -> str:
     )
 
 
-def _decode(scope: str, key: str, raw: bytes | str) -> Record:
+def _decode(space: str, scope: str, key: str, raw: bytes | str) -> Record:
     d = json.loads(raw)
-    if d["sk"] != [scope, key]:  # the entry names its own key: a reply is never misattributed
+    if d["sk"] != [space, scope, key]:  # the entry names its own store and key
         raise ValueError(f"entry is for {d['sk']!r}")
     created = datetime.fromisoformat(d["ca"])
     response = (

@@ -13,8 +13,10 @@ not close it). Completed and failed records expire by TTL (retention); ``in_prog
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
+import sys
 import time
 import uuid
 from collections import Counter
@@ -23,20 +25,15 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from consumer_idem.errors import LeaseLost, NotUnknown, StoreUnavailable
-from consumer_idem.keys import normalize_key, validate_scope
 from consumer_idem.metrics import Metrics
-from consumer_idem.stores.postgres.store import (
-    DEFAULT_LEASE,
-    Executed,
-    Resolution,
-    _seconds,
-    default_retention,
-    encode_result,
-)
+from consumer_idem.stores.base import DEFAULT_LEASE, Retention, StoreBase, seconds
+from consumer_idem.stores.results import encode_result
 from consumer_idem.types import (
     Decision,
     DecisionKind,
+    Executed,
     Record,
+    Resolution,
     ResultKind,
     Status,
     StoredResponse,
@@ -61,14 +58,14 @@ _RESERVE = (
     _NOW
     + """
 local fp, tok, lease, retention = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-local function claim(attempts)
+local function claim()
   redis.call('DEL', KEYS[1])
   redis.call('HSET', KEYS[1], 'fp', fp, 'st', 'in_progress', 'tok', tok, 'lu', now + lease,
-             'att', attempts, 'ca', now, 'ua', now, 'rat', 0, 'ret', retention)
-  return {'execute', 0, now, unpack(redis.call('HGETALL', KEYS[1]))}
+             'att', 1, 'ca', now, 'ua', now, 'rat', 0, 'ret', retention)
+  return {'execute', 0, now}  -- the caller knows every field: no record to send back
 end
 local h, n = load(KEYS[1])
-if n == 0 or h.st == 'expired' then return claim(1) end
+if n == 0 or h.st == 'expired' then return claim() end
 if h.fp ~= fp then return {'misuse', 0, now, unpack(redis.call('HGETALL', KEYS[1]))} end
 if h.st == 'completed' then return {'replay', 0, now, unpack(redis.call('HGETALL', KEYS[1]))} end
 if h.st == 'unknown' then return {'unknown', 0, now, unpack(redis.call('HGETALL', KEYS[1]))} end
@@ -112,6 +109,26 @@ end
 return {now, unpack(redis.call('HGETALL', KEYS[1]))}
 """
 )
+
+# Completion by the owner. ARGV: token, result JSON ('' for none), result kind, ttl ms, then,
+# only with a stored HTTP response, its status, headers and body. Answers the server time and
+# the fields the caller does not know (fingerprint, attempts, created at, the reconciliation
+# bookkeeping), or false: not the owner.
+_COMPLETE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local v = redis.call('HMGET', KEYS[1], 'st', 'tok', 'fp', 'att', 'ca', 'rat', 'rp')
+if v[1] ~= 'in_progress' or v[2] ~= ARGV[1] then return false end
+redis.call('HSET', KEYS[1], 'st', 'completed', 'ua', now, 'co', now, 'rk', ARGV[3],
+           'ret', ARGV[4])
+redis.call('HDEL', KEYS[1], 'tok', 'lu', 'err')
+if ARGV[2] == '' then redis.call('HDEL', KEYS[1], 'res')
+else redis.call('HSET', KEYS[1], 'res', ARGV[2]) end
+if #ARGV < 5 then redis.call('HDEL', KEYS[1], 'hs', 'hh', 'hb')
+else redis.call('HSET', KEYS[1], 'hs', ARGV[5], 'hh', ARGV[6], 'hb', ARGV[7]) end
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[4]))
+return {now, v[3], v[4], v[5], v[6] or 0, v[7] or ''}
+"""
 
 # ARGV: new status ('completed' | 'failed_retryable'), ttl ms, then field/value pairs.
 _RESOLVE = (
@@ -202,7 +219,27 @@ def _response_fields(response: StoredResponse | None) -> list[str]:
     ]
 
 
-class RedisStore:
+#: connections a store keeps between calls, at most: its peak of concurrent calls, usually
+MAX_IDLE = 16
+
+
+async def _send(conn: Any, packed: list[bytes]) -> None:
+    """Send a packed command on a redis-py asyncio connection. Before Python 3.12, its
+    ``send_packed_command`` puts the write under ``asyncio.wait_for``, which creates a task per
+    command: a third of a command's cost. Writing a command of a few hundred bytes only fills
+    the socket's buffer, it does not wait for the server, and the reply is read under the
+    connection's timeout; so a connected connection is written directly (its
+    ``_send_packed_command``, there since redis-py 4.2)."""
+    if _DIRECT_WRITE and conn.is_connected:
+        await conn._send_packed_command(packed)
+    else:
+        await conn.send_packed_command(packed, check_health=False)
+
+
+_DIRECT_WRITE = sys.version_info < (3, 12)
+
+
+class RedisStore(StoreBase):
     """Idempotency records in Redis (``redis.asyncio`` client), one hash per (scope, key)."""
 
     def __init__(
@@ -211,37 +248,69 @@ class RedisStore:
         *,
         prefix: str = "consumer-idem:",
         lease: timedelta | float = DEFAULT_LEASE,
-        retention: timedelta | float | Callable[[str], timedelta] | None = None,
+        retention: Retention = None,
         metrics: Metrics | None = None,
         hash_invalid_keys: bool = False,
     ) -> None:
+        super().__init__(
+            lease=lease, retention=retention, metrics=metrics, hash_invalid_keys=hash_invalid_keys
+        )
         self.redis = redis
         self.prefix = prefix
-        self.lease = _seconds(lease)
-        if retention is None:
-            self._retention: Callable[[str], timedelta] = default_retention
-        elif callable(retention):
-            self._retention = retention
-        else:
-            fixed = _seconds(retention)
-            self._retention = lambda scope: fixed
-        self.metrics = metrics or Metrics()
-        self.hash_invalid_keys = hash_invalid_keys
+        # reserve and complete send their command on connections the store keeps: see _eval
+        pool = getattr(redis, "connection_pool", None)
+        self._pool: Any = pool if hasattr(pool, "get_connection") else None
+        self._idle: list[Any] = []
+        # redis-py before 6.0 wants a command name here (later ones warn when given one)
+        self._get_args: tuple[str, ...] = ()
+        if self._pool is not None:
+            wanted = inspect.signature(self._pool.get_connection).parameters.get("command_name")
+            if wanted is not None and wanted.default is inspect.Parameter.empty:
+                self._get_args = ("EVALSHA",)
+        from redis.exceptions import NoScriptError
+
+        self._no_script = NoScriptError
         self._reserve = redis.register_script(_RESERVE)
         self._owner = redis.register_script(_OWNER)
+        self._complete = redis.register_script(_COMPLETE)
         self._resolve = redis.register_script(_RESOLVE)
         self._evict = redis.register_script(_EVICT)
         self._sweep = redis.register_script(_SWEEP)
 
-    def retention_for(self, scope: str, override: timedelta | float | None = None) -> timedelta:
-        return self._retention(scope) if override is None else _seconds(override)
-
-    def check(self, scope: str, key: str | bytes) -> tuple[str, str]:
-        return validate_scope(scope), normalize_key(key, hash_invalid=self.hash_invalid_keys)
-
     def _key(self, scope: str, key: str) -> str:
         # \x1f cannot occur in a scope or key (key hygiene rejects control characters)
         return f"{self.prefix}{scope}\x1f{key}"
+
+    async def _eval(self, script: Any, key: str, args: list[Any]) -> Any:
+        """EVALSHA of a registered ``script`` on ``key``: one command, one round trip.
+
+        Through redis-py, on a connection of the client's pool that the store keeps for its
+        next call (up to :data:`MAX_IDLE` of them): the client's own way, per command, takes a
+        connection from the pool and gives it back and goes through its retry and
+        observability layers, which together cost more than the round trip itself, twice per
+        first execution. A connection that failed or was interrupted goes back to the pool,
+        disconnected. A client without such a pool (a cluster) takes its own way."""
+        if self._pool is None:
+            return await script(keys=[key], args=args)
+        conn = self._idle.pop() if self._idle else await self._pool.get_connection(*self._get_args)
+        try:
+            try:
+                await _send(conn, conn.pack_command("EVALSHA", script.sha, 1, key, *args))
+                reply = await conn.read_response()
+            except self._no_script:  # the server lost its scripts (a restart, SCRIPT FLUSH)
+                await _send(conn, conn.pack_command("EVAL", script.script, 1, key, *args))
+                reply = await conn.read_response()
+        except BaseException:
+            try:
+                await conn.disconnect(nowait=True)  # a reply may still be on its way
+            finally:
+                await self._pool.release(conn)
+            raise
+        if len(self._idle) < MAX_IDLE:
+            self._idle.append(conn)
+        else:
+            await self._pool.release(conn)
+        return reply
 
     async def _run(self, operation: str, scope: str, call: Callable[[], Awaitable[T]]) -> T:
         started = time.perf_counter()
@@ -272,30 +341,45 @@ class RedisStore:
         if conn is not None:
             raise TypeError("the Redis store cannot join a database transaction")
         scope, key = self.check(scope, key)
-        lease_ms = int((self.lease if lease is None else _seconds(lease)).total_seconds() * 1000)
+        lease_ms = int((self.lease if lease is None else seconds(lease)).total_seconds() * 1000)
         ret_ms = int(self.retention_for(scope, retention).total_seconds() * 1000)
-        token = str(uuid.uuid4())
+        owner = uuid.uuid4()
+        token = str(owner)
         out = await self._run(
             "reserve",
             scope,
-            lambda: self._reserve(
-                keys=[self._key(scope, key)], args=[fingerprint, token, lease_ms, ret_ms]
+            lambda: self._eval(
+                self._reserve, self._key(scope, key), [fingerprint, token, lease_ms, ret_ms]
             ),
         )
         kind = DecisionKind(_s(out[0]))
-        decision = Decision(kind, _record(scope, key, out[3:]), bool(int(out[1])))
-        self.metrics.inc(
-            {
-                "execute": "created",
-                "replay": "replay",
-                "in_progress": "in_progress",
-                "misuse": "key_misuse",
-                "unknown": "unknown",
-            }[kind.value],
-            scope,
-        )
-        if decision.zombie:
-            self.metrics.inc("zombie", scope)
+        if len(out) == 3:  # a fresh claim: the script sent only the server time
+            now = _ms(_s(out[2]))
+            assert now is not None
+            record = Record(
+                scope=scope,
+                key=key,
+                fingerprint=fingerprint,
+                status=Status.IN_PROGRESS,
+                owner_token=owner,
+                locked_until=now + timedelta(milliseconds=lease_ms),
+                attempts=1,
+                result_json=None,
+                result_kind=None,
+                response=None,
+                last_error=None,
+                reconcile_after=None,
+                reconcile_attempts=0,
+                reconcile_published_at=None,
+                created_at=now,
+                updated_at=now,
+                completed_at=None,
+                expires_at=now + timedelta(milliseconds=ret_ms),
+            )
+        else:
+            record = _record(scope, key, out[3:])
+        decision = Decision(kind, record, bool(int(out[1])))
+        self.count_decision(decision, scope)
         return decision
 
     async def _owner_write(
@@ -332,18 +416,42 @@ class RedisStore:
         if conn is not None:
             raise TypeError("the Redis store cannot join a database transaction")
         ret_ms = int(self.retention_for(scope, retention).total_seconds() * 1000)
-        fields = [
-            "res",
-            encode_result(result) or "",
-            "rk",
-            result_kind.value,
-            "err",
-            "",
-            "ret",
-            str(ret_ms),
-            *_response_fields(response),
-        ]
-        return await self._owner_write("complete", scope, key, token, "completed", fields)
+        encoded = encode_result(result)
+        args = [str(token), encoded or "", result_kind.value, ret_ms]
+        if response is not None:
+            args += _response_fields(response)[1::2]
+        out = await self._run(
+            "complete",
+            scope,
+            lambda: self._eval(self._complete, self._key(scope, key), args),
+        )
+        if not out:
+            self.metrics.inc("lease_lost", scope)
+            raise LeaseLost(f"complete: ({scope!r}, {key!r}) is no longer held by this owner")
+        # the script answers what only the record knows; the rest is what was just written
+        now, fingerprint, attempts, created, reconciled, published = (_s(v) for v in out)
+        done = _ms(now)
+        assert done is not None
+        return Record(
+            scope=scope,
+            key=key,
+            fingerprint=fingerprint,
+            status=Status.COMPLETED,
+            owner_token=None,
+            locked_until=None,
+            attempts=int(attempts or 1),
+            result_json=encoded,
+            result_kind=result_kind,
+            response=response,
+            last_error=None,
+            reconcile_after=None,
+            reconcile_attempts=int(reconciled or 0),
+            reconcile_published_at=_ms(published),
+            created_at=_ms(created) or done,
+            updated_at=done,
+            completed_at=done,
+            expires_at=done + timedelta(milliseconds=ret_ms),
+        )
 
     async def fail_retryable(
         self,

@@ -2,9 +2,13 @@
 
 * Manual commits only (``enable_auto_commit=False``), of ``offset + 1`` of the contiguous prefix
   of each partition whose Postgres work has committed. Nothing is committed ahead of its effect.
+  Commits run in the background after each chunk; stopping and revocations wait for them.
 * Order is kept within a partition (one worker per partition); partitions run concurrently, at
-  most ``max_partitions_in_flight`` at a time. A message to retry (in progress elsewhere,
-  retryable failure, store down) holds back only its own partition.
+  most ``max_partitions_in_flight`` chunks at a time. A message to retry (in progress
+  elsewhere, retryable failure, store down) holds back only its own partition, and no slot.
+* With ``offsets_in_postgres=True`` the consumed offsets live in Postgres
+  (``consumer_idem.transports.kafka_offsets``), written with the effects and read on
+  assignment; Kafka's committed offsets are then advisory.
 * A rebalance stops work on revoked partitions after the message in hand, commits what is done
   and hands them over; a new owner that meets a message still in flight elsewhere meets its lease.
 * Poison records go to a dead-letter topic (default ``<topic>.dlq``) with their original
@@ -24,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +47,7 @@ from aiokafka.errors import (
     TopicAuthorizationFailedError,
     UnsupportedForMessageFormatError,
 )
+from aiokafka.partitioner import DefaultPartitioner
 
 from consumer_idem.backoff import Backoff
 from consumer_idem.consumer import (
@@ -50,16 +56,19 @@ from consumer_idem.consumer import (
     DEAD_LETTER_REASON,
     DEAD_LETTER_SCOPE,
     Action,
+    IdempotentConsumer,
     Processor,
     Verdict,
     reconcile_notice,
 )
+from consumer_idem.errors import ConsumerIdemError
 from consumer_idem.key_strategies import ORIGINAL_OFFSET, ORIGINAL_PARTITION, ORIGINAL_TOPIC
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import KEY_HEADER, SCOPE_HEADER, Notice
-from consumer_idem.settings import load_settings
+from consumer_idem.outbox import HeldBack, OutboxService, OutgoingMessage
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.transports import settle
+from consumer_idem.transports.kafka_offsets import OffsetHook, PostgresOffsets
 from consumer_idem.transports.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats, Settled
 
 log = logging.getLogger("consumer_idem.transports.kafka")
@@ -151,6 +160,15 @@ class _Partition:
     committed: int | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     failures: int = 0  #: consecutive worker failures (restart backoff)
+    #: fetched records not yet looked at by the preparer, and the messages it prepared ahead
+    #: (by offset), for records after ``taken`` (the last offset handed to the consumer)
+    unprepared: deque[ConsumerRecord[bytes, bytes]] = field(default_factory=deque)
+    ahead: dict[int, ConsumerMessage] = field(default_factory=dict)
+    taken: int = -1
+    preparer: asyncio.Task[None] | None = None
+    #: one offset commit at a time per partition (in order); the worker's run in the background
+    commit_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    committer: asyncio.Task[None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,11 +177,101 @@ class _Delivery:
     record: ConsumerRecord[bytes, bytes]
 
 
+#: an outgoing message bigger than this goes through ``producer.send()`` on its own, where the
+#: producer's size checks refuse it at once (it is parked, not the batch it would have joined)
+SMALL_MESSAGE = 16 * 1024
+
+
+class KafkaOutboxSender:
+    """Sends outgoing messages of the transactional outbox (``consumer_idem.outbox``) with an
+    ``AIOKafkaProducer`` you started (create it with ``acks="all"`` and
+    ``enable_idempotence=True``): the destination is the topic, ``key`` the record key.
+
+    Messages are appended to one producer batch per topic partition, handed over in order,
+    and only then are the confirmations awaited: a dispatch costs one request per partition
+    and far less work per message than a ``send()`` each. Keyed messages are placed by Kafka's
+    default partitioner (murmur2, as the Java client and aiokafka place them), so messages with
+    one key share a partition and the idempotent producer keeps their order; those without a
+    key go to a random partition."""
+
+    def __init__(self, producer: AIOKafkaProducer) -> None:
+        self.producer = producer
+        self._partitioner = DefaultPartitioner()
+
+    def permanent(self, exc: BaseException) -> bool:
+        return isinstance(exc, PERMANENT_ERRORS)
+
+    async def send_batch(self, messages: Sequence[OutgoingMessage]) -> list[BaseException | None]:
+        producer = self.producer
+        results: list[BaseException | None] = [None] * len(messages)
+        handed: list[tuple[list[int], asyncio.Future[Any]]] = []  # (messages, confirmation)
+        filling: dict[tuple[str, int], tuple[Any, list[int]]] = {}  # open batch per partition
+        held: dict[Any, BaseException] = {}  # groups whose order a failure interrupted
+
+        def failed(members: list[int], exc: BaseException) -> None:
+            for i in members:
+                results[i] = exc
+                if not self.permanent(exc):
+                    held[messages[i].group] = exc
+
+        async def hand_over(tp: tuple[str, int]) -> None:
+            batch, members = filling.pop(tp)
+            try:
+                handed.append((members, await producer.send_batch(batch, tp[0], partition=tp[1])))
+            except Exception as exc:
+                failed(members, exc)
+
+        for i, m in enumerate(messages):
+            if m.group in held:
+                results[i] = HeldBack(f"held back after {held[m.group]!r}")
+                continue
+            try:
+                partitions = sorted(await producer.partitions_for(m.destination))
+                tp = (m.destination, self._partitioner(m.key, partitions, partitions))
+                headers = list(m.headers)
+                if len(m.body) + len(m.key or b"") > SMALL_MESSAGE:
+                    if tp in filling:  # what was published before it goes first
+                        await hand_over(tp)
+                    sent = await producer.send(
+                        m.destination, value=m.body, key=m.key, headers=headers, partition=tp[1]
+                    )
+                    handed.append(([i], sent))
+                    continue
+                batch, members = filling.get(tp) or (producer.create_batch(), [])
+                if batch.append(key=m.key, value=m.body, timestamp=None, headers=headers) is None:
+                    filling[tp] = (batch, members)
+                    await hand_over(tp)  # full: a new one (a small message fits an empty one)
+                    batch, members = producer.create_batch(), []
+                    batch.append(key=m.key, value=m.body, timestamp=None, headers=headers)
+                filling[tp] = (batch, [*members, i])
+            except Exception as exc:  # refused before it left (too large, no metadata...)
+                failed([i], exc)
+        for tp in list(filling):
+            await hand_over(tp)
+        confirmed = await asyncio.gather(*(f for _, f in handed), return_exceptions=True)
+        for (members, _), outcome in zip(handed, confirmed, strict=True):
+            if isinstance(outcome, BaseException):
+                for i in members:
+                    results[i] = outcome
+        return results
+
+
 class KafkaRunner:
     """Consume ``topics`` in consumer group ``group_id`` through ``consumer``.
 
     Use ``await runner.run(stop_event)`` or ``start()`` / ``stop()``. ``stop()`` is graceful:
     it finishes the message in hand on every partition, commits, and leaves the group.
+
+    The messages the consumer's handlers publish through the outbox (``outbox_for(conn)``)
+    are sent with the runner's producer right after each COMMIT; every ``outbox_relay``
+    seconds (None: never) a relay pass sends those of the consumer's scope that a crash or
+    an outage left behind (``runner.outbox``: the :class:`OutboxService`).
+
+    ``offsets_in_postgres=True`` (an ``@idempotent_consumer`` only) keeps each partition's
+    next offset in Postgres, in the same transaction as the effects it covers, and starts each
+    assigned partition there (``runner.offsets``:
+    :class:`~consumer_idem.transports.kafka_offsets.PostgresOffsets`). The schema needs
+    migration 0007.
     """
 
     def __init__(
@@ -180,13 +288,18 @@ class KafkaRunner:
         max_partitions_in_flight: int = 8,
         group_instance_id: str | None = None,
         revoke_timeout: float = 30.0,
+        outbox_relay: float | None = 5.0,
+        offsets_in_postgres: bool = False,
         consumer_options: dict[str, Any] | None = None,
         producer_options: dict[str, Any] | None = None,
     ) -> None:
         self.consumer = consumer
         self.topics = list(topics)
         self.group_id = group_id
-        self.bootstrap = bootstrap_servers or load_settings().kafka_bootstrap
+        # the same variable the CLI and the examples read; aiokafka's own default otherwise
+        self.bootstrap = bootstrap_servers or os.environ.get(
+            "CONSUMER_IDEM_KAFKA_BOOTSTRAP", "127.0.0.1:9092"
+        )
         self._dlq = dead_letter_topic
         self.reconcile_topic = reconcile_topic
         self.max_records = max_records
@@ -196,8 +309,22 @@ class KafkaRunner:
         self.revoke_timeout = revoke_timeout
         self.stats = RunnerStats()
         self._slots = asyncio.Semaphore(max_partitions_in_flight)
+        # an IdempotentConsumer's keys and fingerprints can be computed ahead (not the
+        # reconciler's: it has no such step)
+        self._prepare: Callable[[ConsumerMessage], Any] | None = (
+            consumer.prepare if isinstance(consumer, IdempotentConsumer) else None
+        )
+        # offsets in Postgres: written with the effects (the hook) and read on assignment
+        self.offsets: PostgresOffsets | None = None
+        self._stored: dict[tuple[str, int], int] = {}  #: next offsets Postgres holds
+        self._hook: OffsetHook | None = None
+        if offsets_in_postgres:
+            if not isinstance(consumer, IdempotentConsumer):
+                raise TypeError("offsets_in_postgres needs an @idempotent_consumer")
+            self.offsets = PostgresOffsets(consumer.store, group_id)
+            self._hook = OffsetHook(self.offsets, self._stored)
         self._parts: dict[TopicPartition, _Partition] = {}
-        self._commit_lock = asyncio.Lock()
+        self._generation = 0  #: rebalances seen (revocations and assignments)
         self._stopping = False
         self._started = False
         options: dict[str, Any] = {"auto_offset_reset": "earliest"}
@@ -212,6 +339,12 @@ class KafkaRunner:
         producer = {"acks": "all", "enable_idempotence": True}
         producer.update(producer_options or {})
         self._producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, **producer)
+        self.outbox = OutboxService(
+            consumer.store,
+            KafkaOutboxSender(self._producer),
+            scopes=[consumer.scope],
+            relay_interval=outbox_relay,
+        )
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -219,9 +352,11 @@ class KafkaRunner:
         await settle.check_store(self.consumer.store)
         await self._producer.start()
         try:
+            await self.outbox.start()
             self._kafka.subscribe(self.topics, listener=_Listener(self))
             await self._kafka.start()
         except BaseException:
+            await self.outbox.stop()
             await self._producer.stop()
             raise
         self._started = True
@@ -240,9 +375,7 @@ class KafkaRunner:
             await self.start()
         try:
             while not stop.is_set():
-                fetch = asyncio.ensure_future(
-                    self._kafka.getmany(timeout_ms=500, max_records=self.max_records)
-                )
+                fetch = asyncio.ensure_future(self._fetch())
                 stopper = asyncio.ensure_future(stop.wait())
                 await asyncio.wait({fetch, stopper}, return_when=asyncio.FIRST_COMPLETED)
                 stopper.cancel()
@@ -251,11 +384,23 @@ class KafkaRunner:
                     with contextlib.suppress(asyncio.CancelledError):
                         await fetch
                     break
-                self._dispatch(fetch.result())
+                generation, records = fetch.result()
+                if generation == self._generation:
+                    self._dispatch(records)
+                # else handed over before a rebalance that ran before they could be
+                # dispatched: dropped, and read again from the positions the rebalance set
+                # (every partition's: aiokafka's rebalances are eager), so a record is not run
+                # by a consumer that no longer owns it, nor twice by one that owns it again
                 for part in list(self._parts.values()):
                     self._reap(part)
         finally:
             await self.stop()
+
+    async def _fetch(
+        self,
+    ) -> tuple[int, dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]]:
+        records = await self._kafka.getmany(timeout_ms=500, max_records=self.max_records)
+        return self._generation, records  # the rebalances seen when aiokafka handed them over
 
     async def stop(self) -> None:
         if not self._started:
@@ -266,11 +411,10 @@ class KafkaRunner:
         for part in parts:
             part.wake.set()
         await self._drain(parts)
-        for part in parts:
-            self._reap(part)
-            await self._commit(part)
+        await self._final_commits(parts)
         with contextlib.suppress(Exception):
             await self._kafka.stop()
+        await self.outbox.stop()  # sends what the units committed meanwhile
         await self._producer.stop()
 
     # --- fetching and dispatch -----------------------------------------------------------------
@@ -289,6 +433,41 @@ class KafkaRunner:
             self._reap(part)  # a dead worker is looked at before anything replaces it
             if part.task is None:
                 part.task = asyncio.create_task(self._work(part), name=f"consumer-idem {tp}")
+            if self._prepare is not None:
+                part.unprepared.extend(records)
+                if part.preparer is None or part.preparer.done():
+                    part.preparer = asyncio.create_task(
+                        self._prepare_ahead(part), name=f"consumer-idem prepare {tp}"
+                    )
+
+    async def _prepare_ahead(self, part: _Partition) -> None:
+        """Messages, keys and fingerprints of fetched records, computed while the partition's
+        worker waits for Postgres (that CPU then overlaps the database's instead of adding to
+        it). In slices, so the worker resumes as soon as its answer is in."""
+        prepare = self._prepare
+        assert prepare is not None
+        done = 0
+        while part.unprepared and not part.revoked and not self._stopping:
+            record = part.unprepared.popleft()
+            if record.offset <= part.taken:  # the worker got there first
+                continue
+            message = to_message(record)
+            with contextlib.suppress(Exception):  # the worker meets it again and decides
+                prepare(message)
+            part.ahead[record.offset] = message
+            done += 1
+            if done % 32 == 0:
+                await asyncio.sleep(0)
+
+    def _messages(
+        self, part: _Partition, chunk: list[ConsumerRecord[bytes, bytes]]
+    ) -> list[ConsumerMessage]:
+        """The chunk as messages: those prepared ahead, fresh ones for the rest (and for a
+        record seen before: a retried record's earlier message may carry its handler's changes)."""
+        pop = part.ahead.pop
+        messages = [pop(r.offset) if r.offset in part.ahead else to_message(r) for r in chunk]
+        part.taken = max(part.taken, chunk[-1].offset)
+        return messages
 
     def _reap(self, part: _Partition) -> None:
         """Look at a finished worker. One that failed is logged with its traceback and
@@ -319,10 +498,19 @@ class KafkaRunner:
             await settle.pause(
                 RESTART_BACKOFF.delay(part.failures), lambda: part.revoked or self._stopping
             )
-        async with self._slots:
-            while part.pending and not part.revoked and not self._stopping:
+        while part.pending and not part.revoked and not self._stopping:
+            # A slot per chunk, not per partition: a partition with a backlog lets the others
+            # in between its chunks, and one waiting to retry (below) holds no slot at all.
+            async with self._slots:
+                if not part.pending or part.revoked or self._stopping:
+                    return
                 chunk = [part.pending[i] for i in range(min(self.chunk, len(part.pending)))]
-                verdicts = await self.consumer.process_batch([to_message(r) for r in chunk])
+                messages = self._messages(part, chunk)
+                if self._hook is not None:  # the offset commits with the effects
+                    assert isinstance(self.consumer, IdempotentConsumer)
+                    verdicts = await self.consumer.process_batch(messages, self._hook)
+                else:
+                    verdicts = await self.consumer.process_batch(messages)
                 retry: _Delivery | None = None
                 wait: Verdict | None = None
                 unsettled = False
@@ -336,15 +524,15 @@ class KafkaRunner:
                     if outcome is not Settled.ACKED:
                         unsettled = True  # stopping before its publish was confirmed
                         break
-                await self._commit(part)
+                self._commit_soon(part)
                 if part.paused and len(part.pending) < self.max_records and not part.revoked:
                     with contextlib.suppress(Exception):
                         self._kafka.resume(part.tp)
                     part.paused = False
-                if unsettled:
-                    return
-                if retry is not None and wait is not None:
-                    await settle.settle(self, retry, wait)
+            if unsettled:
+                return
+            if retry is not None and wait is not None:
+                await settle.settle(self, retry, wait)
 
     # --- the settle-path transport (consumer_idem.transports.settle.Transport) --------------------
 
@@ -371,7 +559,9 @@ class KafkaRunner:
         the worker processes the record again."""
         part = delivery.part
         log.info(
-            "retrying %s@%s in %.2fs (%s)",
+            "scope=%s key=%s: retrying %s@%s in %.2fs (%s)",
+            verdict.scope,
+            verdict.key,
             part.tp,
             delivery.record.offset,
             verdict.retry_after,
@@ -447,10 +637,16 @@ class KafkaRunner:
         return self._dlq(topic) if callable(self._dlq) else self._dlq
 
     async def _commit(self, part: _Partition) -> None:
-        if part.done is None or part.done == part.committed:
+        if part.done is None:
             return
-        async with self._commit_lock:
-            offset = part.done
+        offset: int | None = part.done
+        if self.offsets is not None:  # Postgres first; Kafka's copy is advisory (lag)
+            offset = await self._save_offset(part, part.done)
+        if offset is None:
+            return
+        async with part.commit_lock:
+            if offset == part.committed or (part.committed or 0) > offset:
+                return  # a later commit got there first
             try:
                 await self._kafka.commit({part.tp: offset})
             except (KafkaError, AssertionError) as exc:
@@ -460,6 +656,90 @@ class KafkaRunner:
                 return
             part.committed = offset
             self.stats.commits += 1
+
+    async def _final_commits(self, parts: list[_Partition]) -> None:
+        """Stopping, or the partitions are revoked: their last offsets committed, and every
+        commit still running in the background finished, before they are let go."""
+        for part in parts:
+            self._reap(part)
+            await self._commit(part)
+        committers = [p.committer for p in parts if p.committer is not None]
+        await asyncio.gather(*committers, return_exceptions=True)
+
+    def _commit_soon(self, part: _Partition) -> None:
+        """Commit in the background: the worker goes on with its next chunk instead of
+        waiting for the broker (a few ms per commit). Stopping and revocations commit (and wait)
+        themselves; a commit that lags only widens what a crash makes the next owner read
+        again, and the keys make those replays."""
+        if part.committer is None or part.committer.done():
+            part.committer = asyncio.create_task(self._commit_latest(part))
+
+    async def _commit_latest(self, part: _Partition) -> None:
+        while True:
+            done = part.done
+            await self._commit(part)
+            if part.done == done or part.revoked or self._stopping:
+                return
+
+    async def _save_offset(self, part: _Partition, done: int) -> int | None:
+        """Store ``done`` as the partition's next offset in Postgres, unless a transaction
+        already did; returns what Postgres holds now (None: nothing yet)."""
+        assert self.offsets is not None
+        tp = (part.tp.topic, part.tp.partition)
+        stored = self._stored.get(tp)
+        if stored is not None and stored >= done:
+            return stored
+        try:
+            await self.offsets.save({tp: done})
+        except ConsumerIdemError as exc:  # the next commit tries again; keys cover a crash
+            log.warning("storing the offset of %s@%d failed: %s", part.tp, done, exc)
+            return stored
+        self._stored[tp] = done
+        return done
+
+    async def _assigned(self, assigned: set[TopicPartition]) -> None:
+        """With offsets in Postgres: start each assigned partition at its stored offset (one
+        the group never stored starts where Kafka says: its committed offset, or the reset
+        policy). While the store does not answer, it is asked again for ``revoke_timeout``;
+        after that the partitions start at Kafka's committed offsets, which are never ahead of
+        Postgres's, so the records between are met again and replayed by their keys."""
+        self._generation += 1
+        log.info("partitions assigned: %s", sorted(str(tp) for tp in assigned))
+        if self.offsets is None or not assigned:
+            return
+        # Nothing is fetched until the positions are set: aiokafka starts fetching from the
+        # committed offsets while this listener still waits for Postgres.
+        self._kafka.pause(*assigned)
+        try:
+            await self._seek_to_stored(assigned)
+        finally:
+            with contextlib.suppress(Exception):  # revoked meanwhile: nothing to resume
+                self._kafka.resume(*assigned)
+
+    async def _seek_to_stored(self, assigned: set[TopicPartition]) -> None:
+        assert self.offsets is not None
+        by_key = {(tp.topic, tp.partition): tp for tp in assigned}
+        deadline = asyncio.get_running_loop().time() + self.revoke_timeout
+        attempt = 0
+        while True:
+            try:
+                stored = await self.offsets.load(by_key)
+                break
+            except ConsumerIdemError as exc:
+                attempt += 1
+                if asyncio.get_running_loop().time() >= deadline or self._stopping:
+                    log.error(
+                        "stored offsets of %s unreadable (%s): starting at Kafka's committed "
+                        "offsets; records after them are replayed by their keys",
+                        sorted(str(tp) for tp in assigned),
+                        exc,
+                    )
+                    return
+                await asyncio.sleep(RESTART_BACKOFF.delay(attempt))
+        for key, offset in stored.items():
+            self._stored[key] = offset
+            self._kafka.seek(by_key[key], offset)
+        log.info("started at the offsets stored in Postgres: %s", sorted(stored.items()))
 
     async def _drain(self, parts: list[_Partition]) -> None:
         tasks = [p.task for p in parts if p.task is not None and not p.task.done()]
@@ -474,15 +754,17 @@ class KafkaRunner:
     # --- rebalance -----------------------------------------------------------------------------
 
     async def _revoked(self, revoked: set[TopicPartition]) -> None:
+        self._generation += 1
         parts = [self._parts[tp] for tp in revoked if tp in self._parts]
         for part in parts:
             part.revoked = True
             part.wake.set()
         await self._drain(parts)
+        await self._final_commits(parts)
         for part in parts:
-            self._reap(part)
-            await self._commit(part)
             del self._parts[part.tp]
+        for tp in revoked:  # read again if it comes back: someone else may move it on
+            self._stored.pop((tp.topic, tp.partition), None)
         log.info("partitions revoked: %s", sorted(str(tp) for tp in revoked))
 
 
@@ -494,4 +776,4 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
         await self.runner._revoked(revoked)
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        log.info("partitions assigned: %s", sorted(str(tp) for tp in assigned))
+        await self.runner._assigned(assigned)

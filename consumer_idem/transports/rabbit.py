@@ -17,6 +17,15 @@
   delivery is ever left unsettled in hand.
 * ``connect_robust`` reconnects after a broker restart and restores the consumer; unacked
   messages of the lost channel are redelivered and meet their completed records (replays).
+* Batch mode (a consumer decorated with ``batch=True``): deliveries from the prefetch window
+  are grouped, up to ``batch_size`` of them or whatever arrived within ``batch_wait`` seconds,
+  and each group is claimed, handled and completed in one transaction
+  (:meth:`IdempotentConsumer.process_batch`, which falls back to one transaction per message
+  when a member fails). Acks follow the commit, as one ``basic.ack(multiple=True)`` per
+  contiguous run of delivery tags (:class:`AckWindow`). A delivery the broker has delivered
+  before (``x-delivery-count``, or ``redelivered``) runs on its own, never in a shared batch:
+  if it is what killed the last consumer, it must not take its batch-mates' delivery budget
+  with it, again and again, until ``max_deliveries`` dead-letters them unrun.
 """
 
 from __future__ import annotations
@@ -24,6 +33,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -50,10 +62,10 @@ from consumer_idem.consumer import (
 from consumer_idem.message import ConsumerMessage, header_bytes
 from consumer_idem.notice import AMQP_PROPERTIES, KEY_HEADER, SCOPE_HEADER, Notice
 from consumer_idem.notice import ORIGINAL_QUEUE as ORIGINAL_QUEUE
-from consumer_idem.settings import load_settings
+from consumer_idem.outbox import OutboxService, OutgoingMessage, send_all
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.transports import settle
-from consumer_idem.transports.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats
+from consumer_idem.transports.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats, Settled
 
 log = logging.getLogger("consumer_idem.transports.rabbit")
 
@@ -86,6 +98,14 @@ def spent_deliveries(message: ConsumerMessage) -> int | None:
     if message.delivery_count is None and not extra:
         return None
     return (message.delivery_count or 0) + extra
+
+
+def _lost(exc: BaseException) -> bool:
+    """A lost channel or connection: routine (a broker restart), logged without a traceback."""
+    return isinstance(
+        exc,
+        aiormq.exceptions.AMQPError | aiormq.exceptions.ChannelInvalidStateError | ConnectionError,
+    )
 
 
 def permanent(exc: BaseException) -> bool:
@@ -184,8 +204,181 @@ def redispatch_message(notice: Notice) -> aio_pika.Message:
     )
 
 
+class AckWindow:
+    """The acks of one channel's deliveries, in as few frames as is safe (batch mode).
+
+    RabbitMQ numbers a channel's deliveries 1, 2, 3...; ``basic.ack(multiple=True)`` of tag T
+    acks every delivery up to T that is still unacked on the channel. So it is sent only for a
+    run of tags that are all known here and all either ready to ack or settled already (acked
+    or handed back one by one): a delivery still in hand, or not seen yet, ends the run. A
+    ready delivery above such a gap is acked on its own once it has waited ``linger`` seconds
+    for the gap to close: a delivery held for minutes must not keep the others unacked (they
+    would fill the prefetch window).
+    """
+
+    def __init__(self, channel: Any, linger: float) -> None:
+        self.channel = channel
+        self.linger = linger
+        #: every tag up to this one is settled
+        self.floor = 0
+        self._ready: dict[int, tuple[AbstractIncomingMessage, float]] = {}
+        self._settled: set[int] = set()
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._ready)
+
+    def abandon(self) -> None:
+        """The channel is gone: its deliveries cannot be acked (the broker redelivers them)."""
+        self._ready.clear()
+
+    def ready(self, message: AbstractIncomingMessage) -> None:
+        """``message`` may be acked now (its work committed, its publishes were confirmed)."""
+        assert message.delivery_tag is not None
+        self._ready[message.delivery_tag] = (message, time.monotonic())
+
+    def settled(self, tag: int | None) -> None:
+        """The delivery ``tag`` was acked or handed back on its own (after the frame went out:
+        a multiple ack must never cover a tag that is about to be nacked)."""
+        if tag is not None and tag > self.floor:
+            self._settled.add(tag)
+
+    async def flush(self) -> float | None:
+        """Ack what may be acked now. Returns the seconds until a ready delivery waiting above
+        a gap is due to be acked on its own, or None when none is left."""
+        top, last = self.floor, None
+        while True:
+            tag = top + 1
+            if tag in self._ready:
+                last = tag
+            elif tag not in self._settled:
+                break
+            top = tag
+        if top > self.floor:
+            # bookkeeping before the frame: a failed ack is not sent again (its channel is
+            # gone, and the broker redelivers what it had not acked)
+            self.floor = top
+            self._settled = {t for t in self._settled if t > top}
+            covered = [t for t in self._ready if t <= top]
+            message = self._ready[last][0] if last is not None else None
+            for t in covered:
+                del self._ready[t]
+            if message is not None:
+                await message.ack(multiple=True)
+        now = time.monotonic()
+        due: float | None = None
+        for tag, (message, since) in list(self._ready.items()):
+            left = self.linger - (now - since)
+            if left > 0:
+                due = left if due is None else min(due, left)
+                continue
+            del self._ready[tag]
+            await message.ack()
+            self.settled(tag)
+        return due
+
+
+def outgoing_message(message: OutgoingMessage) -> aio_pika.Message:
+    """An outgoing message of the outbox as AMQP: persistent, its headers (text ones as text),
+    its ``idempotency-key`` also as ``message_id`` (for ``amqp_message_id()`` key strategies),
+    ``content-type`` also as the property."""
+    headers: dict[str, Any] = {}
+    for name, value in message.headers:
+        try:
+            headers[name] = value.decode("utf-8")
+        except UnicodeDecodeError:
+            headers[name] = bytearray(value)
+    content_type = message.header("content-type")
+    return aio_pika.Message(
+        message.body,
+        headers=headers,
+        message_id=message.idempotency_key,
+        content_type=None if content_type is None else content_type.decode("latin-1"),
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+    )
+
+
+class RabbitOutboxSender:
+    """Sends outgoing messages of the transactional outbox (``consumer_idem.outbox``) on a
+    channel of its own (publisher confirms, mandatory) of ``connection`` (an aio-pika
+    connection, or a callable returning the current one): the destination is a queue, reached
+    through the default exchange. With ``declare`` each destination queue is declared once
+    (durable, ``queue_arguments``; default: quorum), so a message is never returned for want
+    of its queue; a queue that exists with other arguments is taken as it is.
+
+    Messages of one unit to one queue go one after the other (a queue keeps the order of one
+    channel's publishes); the others go side by side, each confirmed."""
+
+    def __init__(
+        self,
+        connection: Any,
+        *,
+        declare: bool = True,
+        queue_arguments: dict[str, Any] | None = None,
+        concurrency: int = 256,
+    ) -> None:
+        self._connection_source = connection if callable(connection) else lambda: connection
+        self.declare = declare
+        self.queue_arguments = QUORUM if queue_arguments is None else queue_arguments
+        self.concurrency = concurrency
+        self._channel: Any = None
+        self._owner: Any = None  # the connection the channel was opened on
+        self._declared: set[str] = set()
+
+    def permanent(self, exc: BaseException) -> bool:
+        return permanent(exc)
+
+    async def _open(self) -> Any:
+        connection = self._connection_source()
+        if connection is None:
+            raise aiormq.exceptions.ChannelInvalidStateError("not connected")
+        if self._channel is None or self._channel.is_closed or self._owner is not connection:
+            self._channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+            self._owner = connection
+        return self._channel
+
+    async def _declare_queue(self, name: str) -> None:
+        if not self.declare or name in self._declared:
+            return
+        connection = self._connection_source()
+        if connection is None:
+            raise aiormq.exceptions.ChannelInvalidStateError("not connected")
+        # a channel of its own: a refused declaration closes the channel it was made on
+        channel = await connection.channel()
+        try:
+            await channel.declare_queue(name, durable=True, arguments=self.queue_arguments)
+        except aiormq.exceptions.ChannelPreconditionFailed:
+            pass  # it exists, declared otherwise: publish to it as it is
+        finally:
+            with contextlib.suppress(Exception):
+                await channel.close()
+        self._declared.add(name)
+
+    async def _send(self, message: OutgoingMessage) -> None:
+        await self._declare_queue(message.destination)
+        channel = await self._open()
+        await channel.default_exchange.publish(
+            outgoing_message(message), routing_key=message.destination, mandatory=True
+        )
+
+    async def send_batch(self, messages: Sequence[OutgoingMessage]) -> list[BaseException | None]:
+        return await send_all(self._send, messages, self.permanent, self.concurrency)
+
+
 class RabbitRunner:
-    """Consume ``queue`` through ``consumer``. ``await runner.run(stop_event)``."""
+    """Consume ``queue`` through ``consumer``. ``await runner.run(stop_event)``.
+
+    The messages the consumer's handlers publish through the outbox (``outbox_for(conn)``)
+    are sent on the runner's connection right after each COMMIT (to queues it declares like
+    its own); every ``outbox_relay`` seconds (None: never) a relay pass sends those of the
+    consumer's scope that a crash or an outage left behind (``runner.outbox``).
+
+    With a batch consumer (``@idempotent_consumer(..., batch=True)``) the runner works in batch
+    mode: ``batch_size`` deliveries per transaction at most, a batch closes after ``batch_wait``
+    seconds however full it is, and ``prefetch`` (default ``4 * batch_size``) must hold at
+    least one whole batch. Otherwise one transaction per delivery, ``prefetch`` (default 32)
+    of them at once.
+    """
 
     def __init__(
         self,
@@ -193,7 +386,7 @@ class RabbitRunner:
         *,
         queue: str,
         url: str | None = None,
-        prefetch: int = 32,
+        prefetch: int | None = None,
         dead_letter_queue: str | None = None,
         reconcile_queue: str = DEFAULT_RECONCILE_QUEUE,
         declare: bool = True,
@@ -201,10 +394,29 @@ class RabbitRunner:
         max_deliveries: int | None = 20,
         drain_timeout: float = 30.0,
         max_hold: float | None = 600.0,
+        batch_size: int = 100,
+        batch_wait: float = 0.05,
+        outbox_relay: float | None = 5.0,
     ) -> None:
         self.consumer = consumer
+        #: batch mode: one transaction per group of deliveries (see the class docstring)
+        self.batch = bool(getattr(consumer, "batch", False))
+        if batch_size < 1 or batch_wait < 0:
+            raise ValueError("batch_size must be at least 1 and batch_wait not negative")
+        self.batch_size = batch_size
+        self.batch_wait = batch_wait
+        if prefetch is None:
+            prefetch = 4 * batch_size if self.batch else 32
+        if self.batch and prefetch < batch_size:
+            raise ValueError(
+                f"prefetch ({prefetch}) must be at least batch_size ({batch_size}): a batch "
+                "holds its deliveries unacked until its transaction commits"
+            )
         self.queue_name = queue
-        self.url = url or load_settings().amqp_url
+        # the same variable the CLI and the examples read; aio-pika's usual default otherwise
+        self.url = url or os.environ.get(
+            "CONSUMER_IDEM_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"
+        )
         self.prefetch = prefetch
         self.dead_letter_queue = dead_letter_queue or f"{queue}.dlq"
         self.reconcile_queue = reconcile_queue
@@ -222,11 +434,28 @@ class RabbitRunner:
         self._tag: str | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
+        # batch mode: the deliveries gathered for the next batch, the timer that closes it,
+        # the ack window of each channel (by id; its numbering starts again after a reconnect)
+        # and the task that sends the acks
+        self._gathered: list[AbstractIncomingMessage] = []
+        self._closer: asyncio.TimerHandle | None = None
+        self._windows: dict[int, AckWindow] = {}
+        self._flusher: asyncio.Task[None] | None = None
+        self._acks_due = asyncio.Event()
+        self.outbox = OutboxService(
+            consumer.store,
+            RabbitOutboxSender(
+                lambda: self._connection, declare=declare, queue_arguments=self.queue_arguments
+            ),
+            scopes=[consumer.scope],
+            relay_interval=outbox_relay,
+        )
 
     async def start(self) -> None:
         await settle.check_store(self.consumer.store)
         await self.open_publisher()
         assert self._queue is not None
+        await self.outbox.start()
         self._tag = await self._queue.consume(self._on_message, no_ack=False)
 
     async def close_publisher(self) -> None:
@@ -270,46 +499,218 @@ class RabbitRunner:
             with contextlib.suppress(Exception):
                 await self._queue.cancel(self._tag)
             self._tag = None
-        if self._tasks:
-            _, late = await asyncio.wait(set(self._tasks), timeout=self.drain_timeout)
-            for task in late:  # unacked: the broker redelivers them after we close
-                task.cancel()
+        self._close_batch()  # what was gathered is in hand: finish it like the rest
+        # tasks start others (a batch's lone members, the ack flusher): wait for those too
+        deadline = time.monotonic() + self.drain_timeout
+        while self._tasks:
+            _, late = await asyncio.wait(
+                set(self._tasks), timeout=max(0.0, deadline - time.monotonic())
+            )
+            if late and time.monotonic() >= deadline:
+                for task in late:  # unacked: the broker redelivers them after we close
+                    task.cancel()
+                await asyncio.wait(late)
+                break
+        await self.outbox.stop()  # sends what the units committed meanwhile
         if self._connection is not None:
             await self._connection.close()
             self._connection = None
 
-    async def _on_message(self, message: AbstractIncomingMessage) -> None:
-        task = asyncio.create_task(self._handle(message))
+    def _spawn(self, work: Any) -> asyncio.Task[None]:
+        task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
-    async def _handle(self, message: AbstractIncomingMessage) -> None:
+    async def _on_message(self, message: AbstractIncomingMessage) -> None:
+        if not self.batch:
+            self._spawn(self._handle(message))
+            return
+        if self._stopping.is_set():
+            return  # arrived after the cancel: unacked, the broker has it back when we close
+        self._gathered.append(message)
+        if len(self._gathered) >= self.batch_size:
+            self._close_batch()
+        elif self._closer is None:
+            self._closer = asyncio.get_running_loop().call_later(self.batch_wait, self._close_batch)
+
+    # --- batch mode ----------------------------------------------------------------------------
+
+    def _close_batch(self) -> None:
+        if self._closer is not None:
+            self._closer.cancel()
+            self._closer = None
+        if self._gathered:
+            batch, self._gathered = self._gathered, []
+            self._spawn(self._handle_batch(batch))
+
+    async def _handle_batch(self, messages: list[AbstractIncomingMessage]) -> None:
+        unsettled = dict.fromkeys(messages)  # in order; a member leaves once it is settled
         try:
-            verdict = await self._decide(message)
+            await self._run_batch(unsettled)
+        except asyncio.CancelledError:
+            raise  # stop() gave up on it: unacked, the broker delivers it again after we close
+        except Exception as exc:
+            self.stats.failures += 1
+            log.log(
+                logging.WARNING if _lost(exc) else logging.ERROR,
+                "a batch of %d deliveries failed (%r); handing back the %d unsettled",
+                len(messages),
+                exc,
+                len(unsettled),
+                exc_info=None if _lost(exc) else exc,
+            )
+            for message in unsettled:
+                self._spawn(self._hand_back(message))
+
+    async def _run_batch(self, unsettled: dict[AbstractIncomingMessage, None]) -> None:
+        scope = self.consumer.scope
+        fresh: list[AbstractIncomingMessage] = []
+        views: list[ConsumerMessage] = []  # for the first attempt (not decoded yet)
+        for message in list(unsettled):
+            view = to_message(message)
+            spent = spent_deliveries(view)
+            if self._over_budget(spent):
+                verdict = Verdict(Action.DEAD_LETTER, scope, reason="max_deliveries")
+                await settle.settle(self, message, verdict)
+                del unsettled[message]
+                continue
+            if spent or message.redelivered:
+                # delivered before and never settled: maybe what killed the last consumer
+                del unsettled[message]
+                self._spawn(self._handle(message))
+            else:
+                fresh.append(message)
+                views.append(view)
+        started = time.monotonic()
+        while fresh:
+            # a fresh view per attempt: a handler that changed the parsed bodies in place
+            # must not hand its changes to the next attempt
+            if not views:
+                views = [to_message(m) for m in fresh]
+            verdicts = await self.consumer.process_batch(views)
+            views = []
+            done = 0
+            for message, verdict in zip(fresh, verdicts, strict=False):
+                if verdict.action is Action.RETRY:
+                    break
+                outcome = await settle.settle(self, message, verdict)
+                if outcome is Settled.UNSETTLED:
+                    return  # stopping before a publish was confirmed: unacked, redelivered
+                del unsettled[message]
+                done += 1
+            rest = fresh[done:]
+            if not rest:
+                return
+            if done >= len(verdicts):
+                # the batch settled a prefix and left the rest to be decided again (its
+                # handler ended the transaction itself): the rest runs as a batch of its own,
+                # or, if nothing was settled, each member on its own
+                if done:
+                    fresh = rest
+                    continue
+                for message in rest:
+                    del unsettled[message]
+                    self._spawn(self._handle(message))
+                return
+            head, verdict = rest[0], verdicts[done]
+            held = time.monotonic() - started
+            if (
+                verdict.reason == "store_unavailable"
+                and not self.stopping()
+                and (self.max_hold is None or held < self.max_hold)
+            ):
+                # the store is down for every member: the batch waits in hand, whole
+                self.stats.retries += 1
+                log.info(
+                    "scope=%s: a batch of %d waits %.2fs in hand (store unavailable)",
+                    scope,
+                    len(rest),
+                    verdict.retry_after,
+                    extra={"scope": scope},
+                )
+                await settle.pause(max(verdict.retry_after, 0.05), self.stopping)
+                fresh = rest
+                continue
+            if verdict.reason == "store_unavailable":
+                # held for max_hold already, or stopping: each one is handed back
+                for message in rest:
+                    del unsettled[message]
+                    self._spawn(self._settle_alone(message, verdict))
+                return
+            # one member must wait for another owner, or failed: it goes its own way (held
+            # in hand, or delivered again after its backoff); the others go on without it
+            del unsettled[head]
+            self._spawn(self._settle_alone(head, verdict))
+            fresh = rest[1:]
+
+    async def _settle_alone(self, message: AbstractIncomingMessage, verdict: Verdict) -> None:
+        """A member a batch could not settle: a wait is decided again on its own, with the
+        delivery in hand (:func:`settle.process_holding`); a failure is retried later."""
+        await self._handle(message, None if settle.is_wait(verdict) else verdict)
+
+    def _ack_window(self, message: AbstractIncomingMessage) -> AckWindow:
+        channel = message.channel  # raises once the channel is closed: nothing to ack there
+        window = self._windows.get(id(channel))
+        if window is None or window.channel is not channel:
+            # a new channel (after a reconnect its numbering starts again); forget closed ones
+            self._windows = {k: w for k, w in self._windows.items() if not w.channel.is_closed}
+            window = self._windows[id(channel)] = AckWindow(channel, self.batch_wait)
+        return window
+
+    async def _flush_acks(self) -> None:
+        while True:
+            self._acks_due.clear()
+            due: float | None = None
+            for window in list(self._windows.values()):
+                try:
+                    left = await window.flush()
+                except Exception as exc:  # its channel is gone: the broker redelivers them
+                    log.warning("acks on a lost channel failed (%r)", exc)
+                    window.abandon()
+                    continue
+                if left is not None:
+                    due = left if due is None else min(due, left)
+            if not any(w.pending for w in self._windows.values()):
+                return
+            with contextlib.suppress(TimeoutError):  # new acks, or the lingering ones are due
+                await asyncio.wait_for(self._acks_due.wait(), due)
+
+    async def _send(self, message: AbstractIncomingMessage, *, ack: bool) -> None:
+        """Ack, or hand back (``nack``, requeue), this one delivery now; in batch mode its ack
+        window learns that the tag is settled."""
+        window = self._ack_window(message) if self.batch else None
+        if ack:
+            await message.ack()
+        else:
+            await message.nack(requeue=True)
+        if window is not None:
+            window.settled(message.delivery_tag)
+
+    # --- one delivery --------------------------------------------------------------------------
+
+    async def _handle(
+        self, message: AbstractIncomingMessage, verdict: Verdict | None = None
+    ) -> None:
+        try:
+            if verdict is None:
+                verdict = await self._decide(message)
             await settle.settle(self, message, verdict)
         except asyncio.CancelledError:
             raise  # stop() gave up on it: unacked, the broker delivers it again after we close
         except Exception as exc:
             self.stats.failures += 1
-            # a lost channel or connection is routine (broker restart): no traceback for it
-            lost = isinstance(
-                exc,
-                aiormq.exceptions.AMQPError
-                | aiormq.exceptions.ChannelInvalidStateError
-                | ConnectionError,
-            )
             log.log(
-                logging.WARNING if lost else logging.ERROR,
+                logging.WARNING if _lost(exc) else logging.ERROR,
                 "delivery %s failed (%r); handing it back",
                 message.delivery_tag,
                 exc,
-                exc_info=None if lost else exc,
+                exc_info=None if _lost(exc) else exc,
             )
             await self._hand_back(message)
 
     async def _decide(self, message: AbstractIncomingMessage) -> Verdict:
-        spent = spent_deliveries(to_message(message))
-        if self.max_deliveries is not None and spent is not None and spent >= self.max_deliveries:
+        if self._over_budget(spent_deliveries(to_message(message))):
             return Verdict(Action.DEAD_LETTER, self.consumer.scope, reason="max_deliveries")
         # a fresh view per attempt: a handler that changed the parsed body in place must not
         # hand its changes to the next attempt
@@ -320,11 +721,16 @@ class RabbitRunner:
             max_hold=self.max_hold,
         )
 
+    def _over_budget(self, spent: int | None) -> bool:
+        """Delivered ``max_deliveries`` times: dead-lettered without running again."""
+        limit = self.max_deliveries
+        return limit is not None and spent is not None and spent >= limit
+
     async def _hand_back(self, message: AbstractIncomingMessage) -> None:
         count = to_message(message).delivery_count or 0
         await settle.pause(HANDBACK_BACKOFF.delay(count + 1), self._stopping.is_set)
         try:
-            await message.nack(requeue=True)
+            await self._send(message, ack=False)
         except Exception as exc:  # channel gone: the broker redelivers it anyway
             log.warning("could not hand back delivery %s: %r", message.delivery_tag, exc)
 
@@ -341,7 +747,14 @@ class RabbitRunner:
         return permanent(exc)
 
     async def ack(self, message: AbstractIncomingMessage) -> None:
-        await message.ack()
+        if not self.batch:
+            await message.ack()
+            return
+        # batch mode: the ack goes out with its neighbours' (see AckWindow), from one task
+        self._ack_window(message).ready(message)
+        self._acks_due.set()
+        if self._flusher is None or self._flusher.done():
+            self._flusher = self._spawn(self._flush_acks())
 
     async def retry_later(self, message: AbstractIncomingMessage, verdict: Verdict) -> None:
         if settle.is_wait(verdict) and not self.stopping():
@@ -353,10 +766,10 @@ class RabbitRunner:
                 stopping=self.stopping,
                 permanent=self.permanent,
             ):
-                await message.ack()
+                await self._send(message, ack=True)
                 return
         await settle.pause(verdict.retry_after, self.stopping)
-        await message.nack(requeue=True)
+        await self._send(message, ack=False)
 
     async def give_back(self, message: AbstractIncomingMessage) -> None:
         """Stopping: left unacked; closing the channel returns it to the queue."""

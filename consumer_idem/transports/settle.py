@@ -47,9 +47,14 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, Protocol, TypeVar
 
+from consumer_idem import tracing
 from consumer_idem.backoff import Backoff
 from consumer_idem.consumer import Action, Verdict
-from consumer_idem.errors import ConsumerIdemError, StoreUnavailable
+from consumer_idem.errors import (
+    ConsumerIdemError,
+    PublishRefused,
+    StoreUnavailable,
+)
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import Notice, decode_notice
 from consumer_idem.stores.postgres.store import PostgresStore
@@ -69,16 +74,6 @@ PUBLISH_BACKOFF = Backoff(0.2, 10.0)
 KEEP_RETRY = 1.0
 
 D = TypeVar("D", contravariant=True)
-
-
-class PublishRefused(ConsumerIdemError):
-    """A broker refused a publish for good: the same bytes to the same destination will be
-    refused again (too large, invalid or unauthorised destination)."""
-
-    def __init__(self, destination: str, cause: BaseException) -> None:
-        super().__init__(f"publish to {destination} refused for good: {cause!r}")
-        self.destination = destination
-        self.cause = cause
 
 
 @dataclass
@@ -212,29 +207,37 @@ def is_unknown(verdict: Verdict) -> bool:
 
 async def keep_original(transport: Transport[D], delivery: D, verdict: Verdict) -> Verdict | None:
     """Before acking a delivery whose outcome is ``unknown``: keep its original message in the
-    store (:meth:`PostgresStore.keep_original`), so a "not executed" answer can re-dispatch it
+    store (:meth:`RedispatchOutbox.keep_original`), so a "not executed" answer can re-dispatch it
     whichever delivery was acked. Returns None when the delivery may be acked now, or the
     retry verdict to carry out instead: the store is down (not acked: it comes again and is
     kept then), or the record was resolved "not executed" meanwhile (it must run, not be acked).
 
     A store without the outbox (the Redis store: reconciliation is Postgres-only) keeps
     nothing; the delivery is acked as before."""
-    keep = getattr(transport.store, "keep_original", None)
-    if keep is None:
+    outbox = getattr(transport.store, "redispatch", None)
+    if outbox is None:
         return None
+    keep = outbox.keep_original
     assert verdict.key is not None
     extra = {"scope": verdict.scope, "key": verdict.key}
     notice = decode_notice(ConsumerMessage(transport.notice_body(delivery, verdict, True)))
     if not notice.original:
-        log.error("the original of an unknown outcome is not in hand; acking it", extra=extra)
+        log.error(
+            "scope=%s key=%s: the original of an unknown outcome is not in hand; acking it",
+            verdict.scope,
+            verdict.key,
+            extra=extra,
+        )
         return None
     try:
         status = await keep(verdict.scope, verdict.key, notice)
     except ConsumerIdemError as exc:
         log.log(
             logging.WARNING if isinstance(exc, StoreUnavailable) else logging.ERROR,
-            "the original of an unknown outcome could not be kept (%s); the delivery is not "
-            "acked and comes again",
+            "scope=%s key=%s: the original of an unknown outcome could not be kept (%s); the "
+            "delivery is not acked and comes again",
+            verdict.scope,
+            verdict.key,
             exc,
             extra=extra,
         )
@@ -248,7 +251,10 @@ async def keep_original(transport: Transport[D], delivery: D, verdict: Verdict) 
     if status in (Status.UNKNOWN, Status.COMPLETED):
         return None
     log.info(
-        "the record was settled meanwhile (%s): the delivery is processed again, not acked",
+        "scope=%s key=%s: the record was settled meanwhile (%s): the delivery is processed "
+        "again, not acked",
+        verdict.scope,
+        verdict.key,
         status,
         extra=extra,
     )
@@ -271,7 +277,7 @@ async def notice_published(stats: RunnerStats, store: PostgresStore, scope: str,
     """Bookkeeping after a reconciliation notice was published (every transport)."""
     stats.reconcile_published += 1
     with contextlib.suppress(Exception):  # the sweeper republishes if this is lost
-        await store.mark_reconcile_published(scope, key)
+        await store.reconciliation.mark_reconcile_published(scope, key)
 
 
 async def _held(
@@ -289,8 +295,9 @@ async def _held(
             transport.store.metrics.inc(metric, scope)
             delay = PUBLISH_BACKOFF.delay(refusals + 3)
             log.error(
-                "%s cannot be published at all (%s); the delivery stays unacked, retrying in "
-                "%.1fs: fix the destination",
+                "scope=%s: %s cannot be published at all (%s); the delivery stays unacked, "
+                "retrying in %.1fs: fix the destination",
+                scope,
                 what,
                 exc,
                 delay,
@@ -320,9 +327,11 @@ async def dead_letter(transport: Transport[D], delivery: D, verdict: Verdict) ->
             return await send(verdict, False)()
         except PublishRefused as exc:
             log.error(
-                "the dead-letter copy for %s can never be published whole (%r); publishing it "
-                "without its body (%d bytes dropped): the original stays findable by its "
-                "coordinates",
+                "scope=%s key=%s: the dead-letter copy for %s can never be published whole "
+                "(%r); publishing it without its body (%d bytes dropped): the original stays "
+                "findable by its coordinates",
+                scope,
+                verdict.key,
                 destination,
                 exc.cause,
                 transport.body_size(delivery),
@@ -335,19 +344,23 @@ async def dead_letter(transport: Transport[D], delivery: D, verdict: Verdict) ->
                 transport.store.metrics.inc("dead_letter_body_dropped", scope)
             return sent
 
-    sent = await _held(
-        transport,
-        f"the dead letter to {destination}",
-        scope,
-        "dead_letter_failed",
-        whole_or_without_body,
-    )
+    with tracing.publishing("dead_letter", destination):
+        sent = await _held(
+            transport,
+            f"the dead letter to {destination}",
+            scope,
+            "dead_letter_failed",
+            whole_or_without_body,
+        )
     if sent:
         transport.stats.dead_lettered += 1
         log.warning(
-            "dead-lettered to %s: %s",
+            "scope=%s key=%s: dead-lettered to %s: %s%s",
+            scope,
+            verdict.key,
             destination,
             verdict.reason,
+            f" ({verdict.error})" if verdict.error else "",
             extra={"scope": scope, "key": verdict.key},
         )
     return sent
@@ -383,9 +396,11 @@ async def publish_notice(
             if bare is None or bare == body:
                 raise
             log.error(
-                "the reconciliation notice can never be published with its original message "
-                "(%r); publishing it without (the original is kept in the store, for a 'not "
-                "executed' answer to re-dispatch)",
+                "scope=%s key=%s: the reconciliation notice can never be published with its "
+                "original message (%r); publishing it without (the original is kept in the "
+                "store, for a 'not executed' answer to re-dispatch)",
+                scope,
+                key,
                 exc.cause,
                 extra={"scope": scope, "key": key},
             )
@@ -394,10 +409,13 @@ async def publish_notice(
                 transport.store.metrics.inc("notice_body_dropped", scope)
             return sent
 
-    if hold:
-        sent = await _held(transport, destination, scope, "notice_failed", with_or_without_original)
-    else:
-        sent = await with_or_without_original()
+    with tracing.publishing("notice", None):
+        if hold:
+            sent = await _held(
+                transport, destination, scope, "notice_failed", with_or_without_original
+            )
+        else:
+            sent = await with_or_without_original()
     if sent:
         await notice_published(transport.stats, transport.store, scope, key)
     return sent
@@ -408,14 +426,16 @@ async def redispatch(transport: Transport[Any], notice: Notice) -> bool:
     there is nothing to send or stopping interrupted it; raises :class:`PublishRefused`."""
     if notice.source is None or not notice.original:
         return False
-    return await publish_until_sent(
-        lambda: transport.send_redispatch(notice),
-        destination=notice.source,
-        stopping=transport.stopping,
-        permanent=transport.permanent,
-    )
+    with tracing.publishing("redispatch", notice.source):
+        return await publish_until_sent(
+            lambda: transport.send_redispatch(notice),
+            destination=notice.source,
+            stopping=transport.stopping,
+            permanent=transport.permanent,
+        )
 
 
+@tracing.traced_settle
 async def settle(transport: Transport[D], delivery: D, verdict: Verdict) -> Settled:
     """Carry out ``verdict`` for ``delivery``: keep the original of an ``unknown`` outcome,
     publish durably, then ack; never ack a retry, and never ack when a publish or the keeping
@@ -471,7 +491,9 @@ async def process_holding(
             break
         stats.retries += 1
         log.info(
-            "waiting %.2fs in hand (%s)",
+            "scope=%s key=%s: waiting %.2fs in hand (%s)",
+            verdict.scope,
+            verdict.key,
             verdict.retry_after,
             verdict.reason,
             extra={"scope": verdict.scope, "key": verdict.key},

@@ -36,7 +36,16 @@ def available() -> list[Migration]:
         match = _FILE.match(entry.name)
         if match:
             found.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))
-    return sorted(found, key=lambda m: m.version)
+    return check_versions(sorted(found, key=lambda m: m.version))
+
+
+def check_versions(migrations: list[Migration]) -> list[Migration]:
+    """Refuse two files with one version number: the second would be skipped for ever."""
+    versions = [m.version for m in migrations]
+    twice = sorted({v for v in versions if versions.count(v) > 1})
+    if twice:
+        raise RuntimeError(f"two migration files share version(s) {twice}: renumber one")
+    return migrations
 
 
 async def apply(conn: asyncpg.Connection, schema: str) -> list[int]:

@@ -1,6 +1,6 @@
 -- consumer-idem store, version 1.
 -- Applied by consumer_idem.stores.postgres.migrate with search_path set to the configured schema, so nothing
--- here names the schema. One row per (scope, key); see DESIGN.md for the state machine.
+-- here names the schema. One row per (scope, key); see docs/design.md for the state machine.
 
 CREATE TABLE idempotency_records (
     scope                   text        NOT NULL,

@@ -1,6 +1,8 @@
-"""Configuration read from the environment (``CONSUMER_IDEM_*``), with localhost defaults.
+"""Connection settings read from the environment (``CONSUMER_IDEM_*``), localhost defaults.
 
-The same names are used by the library, the tests, the examples and ``scripts/services``.
+For the CLI, the examples, the tests and ``scripts/services`` (it needs the ``cli`` extra:
+pydantic-settings). The library itself takes its connections as arguments; only the runners
+fall back to ``CONSUMER_IDEM_KAFKA_BOOTSTRAP`` / ``CONSUMER_IDEM_AMQP_URL`` when none is given.
 """
 
 from __future__ import annotations

@@ -1,14 +1,5 @@
-"""Fault injection for idempotent handlers: real PostgreSQL, faults at every step boundary.
+"""A broker in memory: deliver a message until a verdict settles it, and check the promises.
 
-Use it to ask the question that matters: *is my handler still exactly-once when the database
-drops, a COMMIT is rolled back, the process dies after the commit, or a publish fails?*
-
-* :class:`FaultyPool` wraps an asyncpg pool. Give the store (``PostgresStore(FaultyPool(pool))``)
-  and your handlers its connections; a :class:`Fault` armed on it fires at a statement boundary
-  it recognises (:class:`Point`): the claim, the completion, the COMMIT, or any statement you
-  match. What fires is real: a terminated connection (before or after the statement reached
-  the server), a COMMIT that PostgreSQL answers with ``ROLLBACK`` (an aborted transaction), a
-  server error, a cancellation of the running task.
 * :func:`deliver` plays a broker: it hands one message to a processor (an
   :class:`~consumer_idem.IdempotentConsumer`) until the verdict is final, redelivering after
   ``retry`` verdicts and after a simulated crash between the commit and the ack, and records
@@ -16,188 +7,18 @@ drops, a COMMIT is rolled back, the process dies after the commit, or a publish 
 * :func:`check_invariants` asserts the three promises for one message: nothing acked without a
   durable effect, dead letter or notice; the effect at most once; every message ends executed
   once, dead-lettered with a reason, or ``unknown`` with a notice.
-
-Faults are armed per pool and fire ``times`` times (default once), so a redelivery after the
-fault meets a healthy database, as it would after a blip.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
-
-import asyncpg
 
 from consumer_idem.consumer import Action, Verdict
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import Notice
-
-
-class Point(StrEnum):
-    """Statement boundaries the fault layer recognises by the SQL the library sends."""
-
-    CLAIM = "claim"  #: the claim: fast-path BEGIN+claim, reserve(), or a batch's claim
-    HANDLER = "handler"  #: a statement of the handler's own (anything not the library's)
-    COMPLETE = "complete"  #: an owner's completion, result store, or failure record
-    COMMIT = "commit"  #: a statement that ends with COMMIT
-
-
-class Kind(StrEnum):
-    DROP_BEFORE = "drop_before"  #: the connection dies; the statement never reached the server
-    DROP_AFTER = "drop_after"  #: the statement ran (a COMMIT committed), then the connection died
-    ROLLED_BACK = "rolled_back"  #: COMMIT only: the server answers ROLLBACK (aborted transaction)
-    SERVER_ERROR = "server_error"  #: the server refuses the statement (a serialization failure)
-    CANCEL = "cancel"  #: the running task is cancelled at this point (shutdown, a timeout)
-
-
-_CLAIM = re.compile(r"consumer_idem_claim_|\.reserve\(|unnest\(\$2::text\[\], \$3::text\[\]\)")
-_COMPLETE = re.compile(
-    r"SET status = 'completed'|SET result = |status = 'failed_retryable'|status = 'unknown'"
-    r"|consumer_idem_result_|INSERT INTO .*idempotency_records AS t"
-)
-
-
-#: plumbing, not a step: preparing the fast path's statements, opening or abandoning a transaction
-_PLUMBING = ("PREPARE ", "SELECT NAME FROM PG_PREPARED_STATEMENTS", "BEGIN", "ROLLBACK")
-
-
-def point_of(sql: str) -> Point | None:
-    """Which boundary a statement is (the last one it touches, for batched statements), or
-    ``None`` for plumbing that is no step of its own."""
-    text = sql.strip().rstrip(";").upper()
-    if text.endswith("COMMIT"):
-        return Point.COMMIT
-    if text.startswith(_PLUMBING) and "CONSUMER_IDEM_CLAIM_" not in text:
-        return None
-    if _CLAIM.search(sql):
-        return Point.CLAIM
-    if _COMPLETE.search(sql) or "idempotency_records" in sql:
-        return Point.COMPLETE
-    return Point.HANDLER
-
-
-@dataclass
-class Fault:
-    """Fire ``kind`` at the ``nth`` statement of boundary ``point`` (then ``times - 1`` more)."""
-
-    point: Point
-    kind: Kind
-    nth: int = 1
-    times: int = 1
-    #: how many times it fired
-    fired: int = 0
-    _seen: int = 0
-
-    def due(self, point: Point | None) -> bool:
-        if point is not self.point or self.fired >= self.times:
-            return False
-        self._seen += 1
-        return self._seen >= self.nth
-
-    def __str__(self) -> str:
-        return f"{self.kind} at {self.point}"
-
-
-class FaultyConnection:
-    """An asyncpg connection whose statements pass through the armed faults."""
-
-    def __init__(self, conn: Any, pool: FaultyPool) -> None:
-        self._conn = conn
-        self._pool = pool
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._conn, name)
-
-    async def _run(self, sql: str, call: Callable[[], Awaitable[Any]]) -> Any:
-        fault = self._pool._due(point_of(sql))
-        if fault is None:
-            return await call()
-        fault.fired += 1
-        self._pool.log.append(str(fault))
-        if fault.kind is Kind.DROP_BEFORE:
-            self._conn.terminate()
-            raise asyncpg.ConnectionDoesNotExistError(f"injected: {fault}")
-        if fault.kind is Kind.CANCEL:
-            task = asyncio.current_task()
-            assert task is not None
-            task.cancel()
-            await asyncio.sleep(0)  # the cancellation lands here, at the boundary
-        if fault.kind is Kind.SERVER_ERROR:
-            raise asyncpg.SerializationError(f"injected: {fault}")
-        if fault.kind is Kind.ROLLED_BACK:
-            # abort the open transaction the way a handler's swallowed error does
-            with contextlib.suppress(asyncpg.DivisionByZeroError):
-                await self._conn.execute("SELECT 1/0")
-            return await call()
-        await call()  # DROP_AFTER: it happened; the caller never hears so
-        self._conn.terminate()
-        raise asyncpg.ConnectionDoesNotExistError(f"injected: {fault}")
-
-    async def execute(self, sql: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._run(sql, lambda: self._conn.execute(sql, *args, **kwargs))
-
-    async def fetch(self, sql: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._run(sql, lambda: self._conn.fetch(sql, *args, **kwargs))
-
-    async def fetchrow(self, sql: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._run(sql, lambda: self._conn.fetchrow(sql, *args, **kwargs))
-
-    async def fetchval(self, sql: str, *args: Any, **kwargs: Any) -> Any:
-        return await self._run(sql, lambda: self._conn.fetchval(sql, *args, **kwargs))
-
-    async def executemany(self, sql: str, args: Any, **kwargs: Any) -> Any:
-        return await self._run(sql, lambda: self._conn.executemany(sql, args, **kwargs))
-
-
-class _Acquire:
-    def __init__(self, pool: FaultyPool, timeout: float | None) -> None:
-        self._pool = pool
-        self._inner = pool.pool.acquire(timeout=timeout)
-
-    async def __aenter__(self) -> FaultyConnection:
-        return FaultyConnection(await self._inner.__aenter__(), self._pool)
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self._inner.__aexit__(*exc)
-
-
-class FaultyPool:
-    """An asyncpg pool whose connections fire the armed :class:`Fault` s."""
-
-    def __init__(self, pool: asyncpg.Pool) -> None:
-        self.pool = pool
-        self.faults: list[Fault] = []
-        #: every fault fired, in order
-        self.log: list[str] = []
-
-    def arm(self, *faults: Fault) -> None:
-        """Arm these faults (their counts start again: one fault may serve many cases)."""
-        for fault in faults:
-            fault.fired = fault._seen = 0
-        self.faults = list(faults)
-
-    def disarm(self) -> None:
-        self.faults = []
-
-    def _due(self, point: Point | None) -> Fault | None:
-        for fault in self.faults:
-            if fault.due(point):
-                return fault
-        return None
-
-    def acquire(self, *, timeout: float | None = None) -> _Acquire:
-        return _Acquire(self, timeout)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.pool, name)
-
-
-# --- playing the broker ---------------------------------------------------------------------------
 
 
 class PublishFailed(Exception):
@@ -366,6 +187,57 @@ async def deliver(
     return delivery
 
 
+BatchProcessor = Callable[[list[ConsumerMessage]], Awaitable[list[Verdict]]]
+
+
+async def deliver_batch(
+    process_batch: BatchProcessor,
+    messages: Sequence[ConsumerMessage],
+    *,
+    transport: MemoryTransport | None = None,
+    crash_before_ack: int = 0,
+    max_rounds: int = 50,
+    retry_cap: float = 0.05,
+) -> list[Delivery]:
+    """:func:`deliver` for an ordered run of messages (a Kafka partition's fetch), handed to
+    ``process_batch`` (``IdempotentConsumer.process_batch``) together: each round delivers the
+    run from its first unsettled message, carrying the verdicts out in order until one is not
+    acked. The first ``crash_before_ack`` rounds that settled something are lost before they
+    are carried out (the process died after the commit)."""
+    from consumer_idem.transports.settle import Settled, settle
+
+    transport = transport or MemoryTransport(None)
+    deliveries = [Delivery(m) for m in messages]
+    done = 0
+    for _ in range(max_rounds):
+        if done == len(deliveries):
+            break
+        pending = deliveries[done:]
+        for delivery in pending:
+            delivery.deliveries += 1
+        try:
+            verdicts = await process_batch([d.message.fresh() for d in pending])
+        except (Exception, asyncio.CancelledError):
+            for delivery in pending:
+                delivery.crashes += 1  # the worker died with the run unsettled
+            continue
+        if crash_before_ack > 0 and verdicts and verdicts[0].action is not Action.RETRY:
+            crash_before_ack -= 1
+            for delivery in pending:
+                delivery.crashes += 1
+            continue
+        for delivery, verdict in zip(pending, verdicts, strict=False):
+            delivery.verdicts.append(verdict)
+            transport._waiting_notice = [delivery]
+            settled = await settle(transport, delivery, verdict)
+            transport._waiting_notice = []
+            if settled is not Settled.ACKED:
+                await asyncio.sleep(min(verdict.retry_after, retry_cap))
+                break
+            done += 1
+    return deliveries
+
+
 def check_invariants(
     delivery: Delivery,
     *,
@@ -392,13 +264,3 @@ def check_invariants(
     # 1. acked as done: the effect is durable, with its completed record
     assert status == "completed", f"acked with the record {status}: {where}"
     assert effects == 1, f"acked as done without its effect: {where}"
-
-
-def matrix(points: Sequence[Point], kinds: Sequence[Kind]) -> list[Fault]:
-    """Every meaningful (point, kind) pair: ROLLED_BACK only makes sense at a COMMIT."""
-    return [
-        Fault(point, kind)
-        for point in points
-        for kind in kinds
-        if kind is not Kind.ROLLED_BACK or point is Point.COMMIT
-    ]

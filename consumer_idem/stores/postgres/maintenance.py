@@ -1,0 +1,453 @@
+"""Keeping the Postgres store tidy and visible: sweep, prune, stats and the key listing.
+
+Each operation returns a frozen report (:class:`SweepReport`, :class:`PruneReport`,
+:class:`StoreStats`, :class:`KeyPage`) rather than a bare count, so the CLI and any scheduler can
+say what happened in the store's own terms. The long ones (sweep, prune) work in small batches
+(short locks, ``SKIP LOCKED`` so several can run at once) and report after every batch through
+``on_batch``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Collection
+from dataclasses import asdict, dataclass, fields, replace
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from consumer_idem.stores.base import seconds
+from consumer_idem.types import Status
+
+if TYPE_CHECKING:
+    from consumer_idem.stores.postgres.store import PostgresStore
+
+log = logging.getLogger("consumer_idem.stores.postgres.maintenance")
+
+
+class PrunePolicy(StrEnum):
+    DELETE = "delete"  #: expired rows are deleted
+    SOFT = "soft"  #: expired rows become ``expired`` (kept for audit), and are deleted later
+
+
+@dataclass(frozen=True, slots=True)
+class SweepReport:
+    """What one sweep did."""
+
+    parked: int = 0  #: expired leases parked as ``unknown`` (zombies)
+    batches: int = 0  #: statements run
+
+
+@dataclass(frozen=True, slots=True)
+class PruneReport:
+    """What one prune did."""
+
+    policy: PrunePolicy = PrunePolicy.DELETE
+    rows: int = 0  #: deleted or soft-expired
+    batches: int = 0  #: statements run
+    longest_statement_s: float = 0.0  #: the longest single batch statement (its lock time)
+    #: False when ``max_batches`` stopped it with rows possibly left to prune
+    finished: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ScopeCounts:
+    """Rows of one scope per status."""
+
+    scope: str
+    in_progress: int = 0
+    completed: int = 0
+    failed_retryable: int = 0
+    unknown: int = 0
+    expired: int = 0
+
+    def count(self, status: Status | str) -> int:
+        return int(getattr(self, Status(status).value))
+
+    @property
+    def total(self) -> int:
+        return sum(self.count(s) for s in Status)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Rows per status per scope, the oldest live records and the reconciliation backlog."""
+
+    scopes: tuple[ScopeCounts, ...] = ()
+    #: seconds since the oldest ``in_progress`` record was last written (None: there is none)
+    oldest_in_progress_s: float | None = None
+    #: seconds since the oldest ``unknown`` record was parked (None: there is none)
+    oldest_unknown_s: float | None = None
+    reconcile_backlog: int = 0  #: ``unknown`` records whose notice is due
+    with_operator: int = 0  #: ``unknown`` records handed to a person (no longer scheduled)
+
+    def scope(self, name: str) -> ScopeCounts | None:
+        return next((s for s in self.scopes if s.scope == name), None)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``scopes`` maps each scope to its rows per status."""
+        out = asdict(self)
+        out["scopes"] = {
+            s.scope: {f.name: getattr(s, f.name) for f in fields(s) if f.name != "scope"}
+            for s in self.scopes
+        }
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    """One record as the listing shows it (no result or response body)."""
+
+    scope: str
+    key: str
+    status: Status
+    attempts: int
+    age_s: float  #: seconds since it was last written (by the database's clock)
+    created_at: datetime
+    updated_at: datetime
+    locked_until: datetime | None
+    #: ``in_progress``: seconds its lease has left (negative: expired, a sweep parks it)
+    lease_left_s: float | None
+    last_error: str | None
+    reconcile_after: datetime | None
+    reconcile_attempts: int
+    #: pass as ``after`` to list the keys that follow this one
+    cursor: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyPage:
+    """One page of :meth:`Maintenance.list_keys`."""
+
+    keys: tuple[KeyInfo, ...] = ()
+    #: ``after`` for the next page; None when this page is the last
+    next_cursor: str | None = None
+
+
+def encode_cursor(updated_at: datetime, scope: str, key: str) -> str:
+    """An opaque cursor: the listing's sort key of the last row shown."""
+    raw = json.dumps([updated_at.isoformat(), scope, key], ensure_ascii=False)
+    return base64.urlsafe_b64encode(raw.encode("utf-8")).decode("ascii").rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, str, str]:
+    try:
+        padded = cursor + "=" * (-len(cursor) % 4)
+        at, scope, key = json.loads(base64.urlsafe_b64decode(padded.encode("ascii")))
+        return datetime.fromisoformat(at), str(scope), str(key)
+    except (ValueError, TypeError, binascii.Error, UnicodeError) as exc:
+        raise ValueError(f"invalid cursor {cursor!r}: pass one printed by a listing") from exc
+
+
+#: the listing's largest page: a page is held in memory and printed at once
+MAX_PAGE = 10_000
+
+
+class Maintenance:
+    """The store's housekeeping and inspection (``store.maintenance``)."""
+
+    def __init__(self, store: PostgresStore) -> None:
+        self.store = store
+
+    async def sweep(
+        self,
+        *,
+        batch_size: int = 500,
+        on_batch: Callable[[SweepReport], None] | None = None,
+        stop: asyncio.Event | None = None,
+    ) -> SweepReport:
+        """Park every in-progress record whose lease has expired as ``unknown`` (a zombie: its
+        owner may have acted before it vanished), one WARNING line per key. ``stop``: set it
+        to end after the batch in hand."""
+        store = self.store
+        # The batch is a MATERIALIZED CTE: as a subquery in FROM, the planner may rescan it
+        # once per joined row, and each rescan locks (and this UPDATE parks) further rows, so
+        # LIMIT would not bound the batch at all.
+        sql = (
+            f"WITH due AS MATERIALIZED (SELECT scope, key FROM {store.table}"
+            " WHERE status = 'in_progress' AND locked_until < clock_timestamp()"
+            " ORDER BY locked_until LIMIT $1 FOR UPDATE SKIP LOCKED)"
+            f" UPDATE {store.table} t SET status = 'unknown', owner_token = NULL,"
+            " locked_until = NULL, last_error = 'lease_expired', reconcile_after = now(),"
+            " reconcile_published_at = NULL, updated_at = now()"
+            " FROM due"
+            " WHERE t.scope = due.scope AND t.key = due.key AND t.status = 'in_progress'"
+            " RETURNING t.scope, t.key"
+        )
+        report = SweepReport()
+        while True:
+            rows = await store.run(
+                "sweep",
+                "",
+                None,
+                lambda c: c.fetch(sql, batch_size, timeout=store.command_timeout),
+            )
+            for r in rows:
+                log.warning(
+                    "scope=%s key=%s: lease expired with no word from its owner; parked as "
+                    "unknown for reconciliation",
+                    r["scope"],
+                    r["key"],
+                    extra={"scope": r["scope"], "key": r["key"]},
+                )
+            for scope, n in Counter(r["scope"] for r in rows).items():
+                store.metrics.inc("zombie", scope, n)
+                store.metrics.inc("unknown", scope, n)
+            report = replace(report, parked=report.parked + len(rows), batches=report.batches + 1)
+            if on_batch is not None:
+                on_batch(report)
+            if len(rows) < batch_size or (stop is not None and stop.is_set()):
+                return report
+
+    async def prune(
+        self,
+        *,
+        policy: PrunePolicy = PrunePolicy.DELETE,
+        batch_size: int = 1000,
+        max_batches: int | None = None,
+        audit_retention: timedelta | float = timedelta(days=30),
+        on_batch: Callable[[PruneReport], None] | None = None,
+        stop: asyncio.Event | None = None,
+    ) -> PruneReport:
+        """Remove records past ``expires_at`` in small batches (short locks, SKIP LOCKED so
+        several pruners can run at once). Never touches ``in_progress`` or ``unknown`` records:
+        those still need an owner or an operator. With ``SOFT``, completed and failed records
+        become ``expired`` (kept ``audit_retention`` longer, never replayed) and expired ones
+        are deleted. ``stop``: set it to end after the batch in hand (``finished`` False)."""
+        store = self.store
+        live = "('completed', 'failed_retryable', 'expired')"
+        # Oldest first, along the expiry index, each batch starting where the last one ended
+        # ($2): no batch walks again over the index entries of rows deleted before it (dead
+        # until vacuumed) or of old rows that are never pruned (unknown, in progress). Without
+        # the ORDER BY the planner may pick a sequential scan, and a batch then reads every
+        # live row stored ahead of the expired ones.
+        due = (
+            f"FROM {store.table} WHERE expires_at < now() AND expires_at >= $2"
+            f" AND status IN {live} ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED"
+        )
+        if policy is PrunePolicy.DELETE:
+            # MATERIALIZED, as in sweep: evaluated once, so LIMIT bounds the batch
+            sql = (
+                f"WITH d AS MATERIALIZED (SELECT scope, key {due})"
+                f" DELETE FROM {store.table} t USING d"
+                " WHERE t.scope = d.scope AND t.key = d.key"
+                " RETURNING t.scope, t.key, t.expires_at"
+            )
+            args: tuple[Any, ...] = (batch_size,)
+        else:
+            sql = (
+                f"WITH d AS MATERIALIZED (SELECT scope, key, status, expires_at {due}),"
+                f" gone AS (DELETE FROM {store.table} t USING d WHERE t.scope = d.scope"
+                " AND t.key = d.key AND d.status = 'expired' RETURNING t.scope, t.key),"
+                f" soft AS (UPDATE {store.table} t SET status = 'expired', updated_at = now(),"
+                " expires_at = now() + $3::interval FROM d WHERE t.scope = d.scope"
+                " AND t.key = d.key AND d.status <> 'expired' RETURNING t.scope, t.key)"
+                " SELECT d.scope, d.key, d.expires_at FROM d JOIN (SELECT scope, key FROM gone"
+                " UNION ALL SELECT scope, key FROM soft) done USING (scope, key)"
+            )
+            args = (batch_size, seconds(audit_retention))
+        report = PruneReport(policy=policy)
+        after = datetime.min.replace(tzinfo=UTC)  # the keyset cursor: expires_at of the last
+        while max_batches is None or report.batches < max_batches:
+            started = time.perf_counter()
+            batch_args = (args[0], after, *args[1:])
+
+            async def batch(c: Any, a: tuple[Any, ...] = batch_args) -> list[Any]:
+                return list(await c.fetch(sql, *a, timeout=store.command_timeout))
+
+            rows = await store.run("prune", "", None, batch)
+            elapsed = time.perf_counter() - started
+            if rows:
+                after = max(r["expires_at"] for r in rows)
+            for scope, n in Counter(r["scope"] for r in rows).items():
+                store.metrics.inc("pruned", scope, n)
+            if store.cache is not None:  # expired records are never replayed: drop them
+                await store.cache.drop_expired((r["scope"], r["key"]) for r in rows)
+            report = replace(
+                report,
+                rows=report.rows + len(rows),
+                batches=report.batches + 1,
+                longest_statement_s=max(report.longest_statement_s, elapsed),
+                # a full last batch under max_batches: there may be more
+                finished=len(rows) < batch_size,
+            )
+            if on_batch is not None:
+                on_batch(report)
+            if len(rows) < batch_size or (stop is not None and stop.is_set()):
+                break
+        return report
+
+    async def count_expired_leases(self) -> int:
+        """``in_progress`` records whose lease has expired: what a sweep would park now."""
+        sql = (
+            f"SELECT count(*) FROM {self.store.table} WHERE status = 'in_progress'"
+            " AND locked_until < clock_timestamp()"
+        )
+        return await self._count("count_expired_leases", sql)
+
+    async def count_prunable(self) -> int:
+        """Records past retention that a prune would delete or soft-expire now."""
+        sql = (
+            f"SELECT count(*) FROM {self.store.table} WHERE expires_at < now()"
+            " AND status IN ('completed', 'failed_retryable', 'expired')"
+        )
+        return await self._count("count_prunable", sql)
+
+    async def count_unknown(
+        self, scopes: Collection[str] | None = None, *, scheduled_only: bool = False
+    ) -> int:
+        """``unknown`` records (of ``scopes``, or all), due or not; with ``scheduled_only``,
+        only those reconciliation still works on (not handed to an operator)."""
+        sql = f"SELECT count(*) FROM {self.store.table} WHERE status = 'unknown'"
+        if scheduled_only:
+            sql += " AND reconcile_after IS NOT NULL"
+        if scopes is None:
+            return await self._count("count_unknown", sql)
+        return await self._count(
+            "count_unknown", sql + " AND scope = ANY($1::text[])", list(scopes)
+        )
+
+    async def _count(self, operation: str, sql: str, *args: Any) -> int:
+        store = self.store
+        n = await store.run(
+            operation, "", None, lambda c: c.fetchval(sql, *args, timeout=store.command_timeout)
+        )
+        return int(n)
+
+    async def stats(self, scope: str | None = None) -> StoreStats:
+        """Rows per status per scope (all scopes, or one), the oldest in-progress and unknown
+        records and the reconciliation backlog."""
+        store = self.store
+        where = "" if scope is None else "WHERE scope = $1"
+        args: tuple[Any, ...] = () if scope is None else (scope,)
+        sql = (
+            "SELECT scope, status, count(*) AS n,"
+            " extract(epoch FROM now() - min(updated_at)) AS oldest_s,"
+            " count(*) FILTER (WHERE status = 'unknown' AND reconcile_after <= now()) AS due,"
+            " count(*) FILTER (WHERE status = 'unknown' AND reconcile_after IS NULL) AS operator"
+            f" FROM {store.table} {where} GROUP BY scope, status ORDER BY scope, status"
+        )
+        rows = await store.run(
+            "stats",
+            scope or "",
+            None,
+            lambda c: c.fetch(sql, *args, timeout=store.command_timeout),
+        )
+        counts: dict[str, dict[str, int]] = {}
+        oldest: dict[str, float] = {}
+        backlog = operator = 0
+        for r in rows:
+            counts.setdefault(r["scope"], {})[r["status"]] = r["n"]
+            if r["status"] in (Status.IN_PROGRESS, Status.UNKNOWN):
+                oldest[r["status"]] = max(oldest.get(r["status"], 0.0), float(r["oldest_s"]))
+            backlog += r["due"]
+            operator += r["operator"]
+        return StoreStats(
+            scopes=tuple(ScopeCounts(name, **by_status) for name, by_status in counts.items()),
+            oldest_in_progress_s=oldest.get(Status.IN_PROGRESS),
+            oldest_unknown_s=oldest.get(Status.UNKNOWN),
+            reconcile_backlog=backlog,
+            with_operator=operator,
+        )
+
+    def listing_query(
+        self,
+        *,
+        statuses: Collection[Status | str] | None = None,
+        scope_prefix: str | None = None,
+        older_than: timedelta | float | None = None,
+        limit: int = 50,
+        after: str | None = None,
+    ) -> tuple[str, list[Any]]:
+        """The SQL and arguments of :meth:`list_keys` (one row more than ``limit``, to know
+        whether another page follows). Only the filters given become conditions, and the
+        statuses are literals, so the planner can use the partial index of migration 6."""
+        if not 1 <= limit <= MAX_PAGE:
+            raise ValueError(f"limit must be between 1 and {MAX_PAGE}, not {limit}")
+        where: list[str] = []
+        args: list[Any] = []
+
+        def arg(value: Any) -> str:
+            args.append(value)
+            return f"${len(args)}"
+
+        if statuses is not None:
+            wanted = sorted({Status(s).value for s in statuses})
+            if not wanted:
+                raise ValueError("statuses: give at least one, or None for all")
+            where.append(f"status IN ({', '.join(repr(s) for s in wanted)})")
+        if scope_prefix:
+            where.append(f"starts_with(scope, {arg(scope_prefix)})")
+        if older_than is not None:
+            where.append(f"updated_at < now() - {arg(seconds(older_than))}::interval")
+        if after is not None:
+            at, scope, key = decode_cursor(after)
+            where.append(f"(updated_at, scope, key) > ({arg(at)}, {arg(scope)}, {arg(key)})")
+        sql = (
+            "SELECT scope, key, status, attempts, created_at, updated_at, locked_until,"
+            " last_error, reconcile_after, reconcile_attempts,"
+            " extract(epoch FROM now() - updated_at)::float8 AS age_s,"
+            " extract(epoch FROM locked_until - clock_timestamp())::float8 AS lease_left_s"
+            f" FROM {self.store.table}"
+            + (f" WHERE {' AND '.join(where)}" if where else "")
+            + f" ORDER BY updated_at, scope, key LIMIT {arg(limit + 1)}"
+        )
+        return sql, args
+
+    async def list_keys(
+        self,
+        *,
+        statuses: Collection[Status | str] | None = None,
+        scope_prefix: str | None = None,
+        older_than: timedelta | float | None = None,
+        limit: int = 50,
+        after: str | None = None,
+    ) -> KeyPage:
+        """Records oldest first (by their last write, then scope and key), filtered by status,
+        scope prefix and age; ``limit`` per page, the next one from ``after`` (a page's
+        ``next_cursor``). Keyset pagination: a page costs the same however deep it is. A record
+        written between two pages moves to the end of the order (it is younger now): it may be
+        listed again there, and is never lost from the statuses it still has."""
+        sql, args = self.listing_query(
+            statuses=statuses,
+            scope_prefix=scope_prefix,
+            older_than=older_than,
+            limit=limit,
+            after=after,
+        )
+        store = self.store
+        rows = await store.run(
+            "list_keys",
+            "",
+            None,
+            lambda c: c.fetch(sql, *args, timeout=store.command_timeout),
+        )
+        keys = tuple(
+            KeyInfo(
+                scope=r["scope"],
+                key=r["key"],
+                status=Status(r["status"]),
+                attempts=r["attempts"],
+                age_s=max(0.0, r["age_s"]),
+                created_at=r["created_at"],
+                updated_at=r["updated_at"],
+                locked_until=r["locked_until"],
+                lease_left_s=r["lease_left_s"],
+                last_error=r["last_error"],
+                reconcile_after=r["reconcile_after"],
+                reconcile_attempts=r["reconcile_attempts"],
+                cursor=encode_cursor(r["updated_at"], r["scope"], r["key"]),
+            )
+            for r in rows[:limit]
+        )
+        more = len(rows) > limit
+        return KeyPage(keys, keys[-1].cursor if more else None)

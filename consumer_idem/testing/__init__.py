@@ -1,0 +1,76 @@
+"""Testing idempotent handlers: real PostgreSQL, faults at every step boundary.
+
+Use it to ask the question that matters: *is my handler still exactly-once when a message
+comes twice, the database drops, a COMMIT is rolled back, or the process dies after the
+commit?*
+
+* :func:`assert_idempotent` answers it in one call: it delivers fresh messages to your
+  decorated handler under duplicates, concurrent duplicates and a fault at each step boundary,
+  and raises :class:`NotIdempotent` (an ``AssertionError``) naming the scenario whenever the
+  effect differs from one clean delivery.
+* The pytest plugin (loaded automatically) gives the fixtures ``idem_store`` (a migrated store
+  in a fresh schema, dropped afterwards) and ``idem_dsn`` (``CONSUMER_IDEM_PG_DSN``, or a
+  PostgreSQL container started with testcontainers).
+* The building blocks, for tests of your own: :class:`FaultyPool` wraps an asyncpg pool and
+  fires an armed :class:`Fault` (:class:`Point`, :class:`Kind`) at a statement boundary;
+  :func:`deliver` (:func:`deliver_batch` for a run of messages) plays a broker with
+  at-least-once delivery over an in-memory transport (:class:`MemoryTransport`);
+  :func:`check_invariants` asserts the three promises for one message.
+
+Importing this package needs neither pytest nor testcontainers (only the plugin module and a
+container start do).
+"""
+
+from consumer_idem.testing.broker import (
+    Delivery,
+    MemoryTransport,
+    Processor,
+    PublishFailed,
+    PublishRefusedForGood,
+    check_invariants,
+    deliver,
+    deliver_batch,
+)
+from consumer_idem.testing.faults import (
+    LIBRARY_COMMIT,
+    Fault,
+    FaultyConnection,
+    FaultyPool,
+    Kind,
+    Point,
+    matrix,
+    point_of,
+)
+from consumer_idem.testing.idempotence import (
+    NotIdempotent,
+    Report,
+    assert_idempotent,
+    scenario_names,
+)
+from consumer_idem.testing.postgres import NoPostgres, fresh_store, postgres_dsn
+
+__all__ = [
+    "LIBRARY_COMMIT",
+    "Delivery",
+    "Fault",
+    "FaultyConnection",
+    "FaultyPool",
+    "Kind",
+    "MemoryTransport",
+    "NoPostgres",
+    "NotIdempotent",
+    "Point",
+    "Processor",
+    "PublishFailed",
+    "PublishRefusedForGood",
+    "Report",
+    "assert_idempotent",
+    "check_invariants",
+    "deliver",
+    "deliver_batch",
+    "fresh_store",
+    "matrix",
+    "point_of",
+    "postgres_dsn",
+    "scenario_names",
+]

@@ -1,0 +1,591 @@
+""":func:`assert_idempotent`: is my handler really safe under duplicates and crashes?
+
+The library makes the *record* exactly-once; whether the *effect* is depends on the handler:
+a transactional handler must do all of its work on the connection it is given (a write through
+another connection, or a call to another service, survives a rollback and happens again on the
+redelivery), and must never end that transaction itself. :func:`assert_idempotent` checks this
+from the outside, on a real PostgreSQL: it delivers fresh messages once cleanly, then under
+duplicates, concurrent duplicates and a fault at each step boundary, and compares what
+``effect(conn, message)`` reports with one clean delivery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, cast
+
+import asyncpg
+
+from consumer_idem.consumer import Action, IdempotentConsumer, Verdict
+from consumer_idem.errors import Ambiguous
+from consumer_idem.message import ConsumerMessage
+from consumer_idem.notice import encode_notice
+from consumer_idem.operations.reconcile import Reconciler, Resolver
+from consumer_idem.stores.postgres.store import ConnectionPool, PostgresStore
+from consumer_idem.testing.broker import Delivery, MemoryTransport, deliver, deliver_batch
+from consumer_idem.testing.faults import LIBRARY_COMMIT, Fault, FaultyPool, Kind, Point
+from consumer_idem.types import Executed, NotExecuted, Record, Status
+
+#: ``effect(conn, message)``: what the handler's effect looks like for ``message`` now
+Effect = Callable[[asyncpg.Connection, ConsumerMessage], Awaitable[Any]]
+#: ``make_message()``: a fresh message, with a new idempotency key on every call
+MakeMessage = Callable[[], ConsumerMessage]
+
+
+class NotIdempotent(AssertionError):
+    """The effect of a delivery under ``scenario`` differs from one clean delivery."""
+
+    def __init__(self, scenario: str, detail: str) -> None:
+        super().__init__(f"scenario {scenario!r}: {detail}")
+        self.scenario = scenario
+        self.detail = detail
+
+
+@dataclass
+class Report:
+    """What :func:`assert_idempotent` checked (it raised otherwise)."""
+
+    mode: str
+    batch: bool
+    #: the effect of one clean delivery, every scenario's reference
+    clean_effect: Any
+    #: the scenarios run and passed, in order
+    passed: list[str] = field(default_factory=list)
+    #: scenarios whose fault found no place to fire (e.g. no statement of the handler's own)
+    not_applicable: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Scenario:
+    name: str
+    fault: Fault | None = None
+    #: a fault the kit plays around the handler (see ``_Kit._wrap``)
+    inject: str | None = None
+    crash_before_ack: int = 0
+    #: the attempt the fault hit was rolled back: it must have left no effect at all
+    rolled_back: bool = False
+    concurrent: bool = False
+    #: deliver the same message this many times more, one after the other
+    duplicates: int = 0
+    #: the messages travel together in one batch (batch mode)
+    together: int = 1
+
+
+def _library_commit(kind: Kind) -> Fault:
+    return Fault(Point.COMMIT, kind, match=LIBRARY_COMMIT)
+
+
+#: Transactional mode: everything before the COMMIT must vanish with it.
+TRANSACTIONAL = (
+    _Scenario("duplicate delivery", duplicates=2),
+    _Scenario("concurrent duplicates", concurrent=True),
+    _Scenario("crash before commit", _library_commit(Kind.DROP_BEFORE), rolled_back=True),
+    _Scenario("shutdown before commit", _library_commit(Kind.CANCEL), rolled_back=True),
+    _Scenario("commit rolled back", _library_commit(Kind.ROLLED_BACK), rolled_back=True),
+    _Scenario(
+        "server refuses a handler statement",
+        Fault(Point.HANDLER, Kind.SERVER_ERROR),
+        rolled_back=True,
+    ),
+    _Scenario("commit landed, answer lost", _library_commit(Kind.DROP_AFTER)),
+    _Scenario("crash after commit before ack", crash_before_ack=1),
+    _Scenario("lease lost", inject="session_killed", rolled_back=True),
+)
+#: Batch mode adds what only a batch has.
+BATCH = (
+    *TRANSACTIONAL,
+    _Scenario("duplicate in one batch", together=2),
+    _Scenario(
+        "crash before a batch's commit",
+        _library_commit(Kind.DROP_BEFORE),
+        rolled_back=True,
+        together=2,
+    ),
+)
+#: Two-phase mode: the external call is not rolled back; a lost or ambiguous outcome is
+#: parked ``unknown`` and settled by reconciliation, after which it must have happened once.
+TWO_PHASE = (
+    _Scenario("duplicate delivery", duplicates=2),
+    _Scenario("concurrent duplicates", concurrent=True),
+    _Scenario("crash after claim, before the call", Fault(Point.CLAIM, Kind.DROP_AFTER)),
+    _Scenario("crash before commit", Fault(Point.COMPLETE, Kind.DROP_BEFORE)),
+    _Scenario("commit rolled back", Fault(Point.COMMIT, Kind.ROLLED_BACK)),
+    _Scenario("crash after commit before ack", crash_before_ack=1),
+    _Scenario("lease lost", inject="lease_lost"),
+    _Scenario("ambiguous failure before the call", inject="ambiguous_before"),
+    _Scenario("ambiguous failure after the call", inject="ambiguous_after"),
+)
+
+CLEAN = "clean delivery"
+
+
+def scenario_names(consumer: IdempotentConsumer) -> list[str]:
+    """The scenarios :func:`assert_idempotent` runs for ``consumer``, in order."""
+    return [CLEAN, *(s.name for s in _scenarios_of(consumer))]
+
+
+def _scenarios_of(consumer: IdempotentConsumer) -> Sequence[_Scenario]:
+    if consumer.mode == "two_phase":
+        return TWO_PHASE
+    return BATCH if consumer.batch else TRANSACTIONAL
+
+
+async def assert_idempotent(
+    consumer: IdempotentConsumer,
+    make_message: MakeMessage,
+    effect: Effect,
+    *,
+    resolver: Resolver | None = None,
+    concurrency: int = 4,
+    scenarios: Collection[str] | None = None,
+) -> Report:
+    """Deliver fresh messages to ``consumer`` under every scenario and raise
+    :class:`NotIdempotent` (an ``AssertionError`` naming the scenario) when the effect differs
+    from one clean delivery.
+
+    * ``consumer``: an ``@idempotent_consumer`` bound to a :class:`PostgresStore` (transactional,
+      batch or two-phase). The kit runs a copy of it on the same pool and schema, with faults
+      injected at the connection level and short retry delays; the pool needs at least two
+      connections.
+    * ``make_message()``: a fresh :class:`ConsumerMessage`, with a new key on every call.
+    * ``effect(conn, message)``: what the handler's effect looks like for ``message`` (a count
+      of its rows, a balance, the calls a fake service received for it), the same value for
+      every message after one clean delivery, and a different one before it. Expose an
+      external service's call counter here: that is how a call outside the transaction shows.
+    * ``resolver``: the reconciliation resolver for ``unknown`` outcomes (two-phase ambiguity,
+      a lost lease). Without one, the kit reconciles from ``effect``: "executed" when the
+      effect is there, "not executed" when it is not (a resolver that knows the truth). Pass
+      yours to test it as well.
+    * ``scenarios``: run only these (names from :func:`scenario_names`; the clean delivery
+      always runs first, as every scenario's reference).
+
+    The scenarios: the clean delivery (executed once, acked, its record ``completed``);
+    duplicates, one after the other and concurrent; a crash before the COMMIT, a shutdown
+    there, a COMMIT PostgreSQL rolls back, a server refusing a handler statement, a COMMIT
+    whose answer is lost, a crash after the commit before the ack, a lost lease (transactional:
+    the server ends the unit's session while the handler runs); two-phase: a crash after the
+    claim, a lost or rolled-back completion, a lost lease, an ambiguous failure before and
+    after the call, each reconciled. After a fault that rolled the unit back, the effect must be
+    as before the delivery; after redelivery (and reconciliation), as after one clean delivery;
+    and one more duplicate must change nothing.
+    """
+    kit = _Kit(consumer, make_message, effect, resolver, concurrency)
+    return await kit.run(scenarios)
+
+
+class _Kit:
+    def __init__(
+        self,
+        consumer: IdempotentConsumer,
+        make_message: MakeMessage,
+        effect: Effect,
+        resolver: Resolver | None,
+        concurrency: int,
+    ) -> None:
+        user_store = consumer.store
+        pool = user_store.pool
+        # an asyncpg pool or an adapter (``ConnectionPool``): the kit only acquires from it
+        self.pool: ConnectionPool = pool.pool if isinstance(pool, FaultyPool) else pool
+        self.faulty = FaultyPool(self.pool)
+
+        def store_on(pool: Any) -> PostgresStore:
+            return PostgresStore(
+                pool,
+                schema=user_store.schema,
+                lease=user_store.lease,
+                retention=user_store.retention_for,
+                hash_invalid_keys=user_store.hash_invalid_keys,
+                command_timeout=user_store.command_timeout,
+            )
+
+        self.store = store_on(self.faulty)  # the one the consumer under test runs on
+        self.plain = store_on(self.pool)  # the kit's own reads, the reconciler
+        self.two_phase = consumer.mode == "two_phase"
+        self.batch = consumer.batch
+        self.scope = consumer.scope
+        # short retry delays: the faults are one-off blips; nothing else changes
+        options = replace(consumer.options, backoff=(0.01, 0.05))
+        self.consumer = IdempotentConsumer(
+            self._wrap(consumer.handler), store=self.store, options=options
+        )
+        self.make_message = make_message
+        self.effect = effect
+        self.resolver = resolver
+        self.concurrency = concurrency
+        #: the kit's own fault armed for the next handler call
+        self.inject: str | None = None
+        #: faults and injections fired, in order (the fault layer logs into it too)
+        self.events: list[str] = self.faulty.log
+        #: an owner that can no longer answer (its delivery ended): its lease may run out now
+        self.owner_dead = True
+        self.scenario: _Scenario | None = None
+        self.before: dict[str, Any] = {}
+        self.failure: NotIdempotent | None = None
+        self.clean: Any = None
+        #: keys reconciliation resolved "executed"
+
+    # --- the run ----------------------------------------------------------------------------
+
+    async def run(self, names: Collection[str] | None) -> Report:
+        chosen = list(_scenarios_of(self.consumer))
+        if names is not None:
+            unknown = set(names) - {s.name for s in chosen} - {CLEAN}
+            if unknown:
+                known = scenario_names(self.consumer)
+                raise ValueError(f"no such scenario {sorted(unknown)}: {known}")
+            chosen = [s for s in chosen if s.name in names]
+        report = Report(self.consumer.mode, self.batch, None)
+        try:
+            await self._clean_delivery()
+            report.clean_effect = self.clean
+            report.passed.append(CLEAN)
+            for scenario in chosen:
+                if await self._run(scenario):
+                    report.passed.append(scenario.name)
+                else:
+                    report.not_applicable.append(scenario.name)
+        finally:
+            self.faulty.disarm()
+        return report
+
+    async def _clean_delivery(self) -> None:
+        message, key = await self._fresh(CLEAN)
+        before = self.before[key]
+        (delivery,) = await self._deliver([message])
+        final = delivery.final
+        if (
+            delivery.deliveries != 1
+            or not delivery.acked
+            or final is None
+            or final.action is not Action.ACK
+            or final.duplicate
+            or final.reason == "unknown"
+        ):
+            record = await self.plain.get(self.scope, key)
+            raise NotIdempotent(
+                CLEAN,
+                "one delivery on a healthy database must execute the message once and ack it, "
+                f"but: {_story(delivery, record)}",
+            )
+        await self._expect_completed(CLEAN, key, delivery)
+        self.clean = await self._effect(message)
+        if self.clean == before:
+            raise NotIdempotent(
+                CLEAN,
+                f"effect() gives {before!r} before and after a clean delivery: it does not see "
+                "the handler's effect, so nothing can be compared (return, e.g., how many rows "
+                "the handler wrote for this message)",
+            )
+
+    async def _run(self, scenario: _Scenario) -> bool:
+        """Run one scenario; False when its fault found no place to fire."""
+        self.scenario = scenario
+        name = scenario.name
+        in_one_batch = name == "duplicate in one batch"
+        count = 1 if in_one_batch else scenario.together
+        distinct = [await self._fresh(name) for _ in range(count)]
+        messages = [m for m, _ in distinct]
+        sent = [messages[0], messages[0].fresh()] if in_one_batch else messages
+        self.events.clear()
+        self.inject = scenario.inject
+        self.owner_dead = not scenario.concurrent
+        if scenario.fault is not None:
+            self.faulty.arm(scenario.fault)
+        try:
+            if scenario.concurrent:
+                runs = await asyncio.gather(
+                    *(self._deliver([messages[0].fresh()]) for _ in range(self.concurrency))
+                )
+                deliveries = [d for run in runs for d in run]
+            else:
+                deliveries = await self._deliver(sent, crash_before_ack=scenario.crash_before_ack)
+                for _ in range(scenario.duplicates):
+                    deliveries += await self._deliver([m.fresh() for m in messages])
+        finally:
+            self.faulty.disarm()
+            self.inject = None
+            self.owner_dead = True
+        if self.failure is not None:
+            raise self.failure
+        if (scenario.fault is not None or scenario.inject is not None) and not self.events:
+            return False
+        for delivery in deliveries:
+            if not delivery.acked:
+                raise NotIdempotent(name, f"never settled: {_story(delivery, None)}")
+            if delivery.dead_letter_reason is not None:
+                raise NotIdempotent(
+                    name,
+                    f"dead-lettered ({delivery.dead_letter_reason}), where one clean delivery "
+                    f"executes it: {_story(delivery, None)}",
+                )
+        for message, key in distinct:
+            await self._reconcile(name, message, key)
+            await self._expect_completed(name, key, None)
+            await self._expect_clean(name, message, "after redelivery")
+        # and one more duplicate changes nothing
+        again = await self._deliver([m.fresh() for m in messages])
+        for message, delivery in zip(messages, again, strict=True):
+            if delivery.final is None or not delivery.final.duplicate:
+                raise NotIdempotent(
+                    name, f"a later duplicate was not replayed: {_story(delivery, None)}"
+                )
+            await self._expect_clean(name, message, "after a later duplicate")
+        return True
+
+    # --- delivering -------------------------------------------------------------------------
+
+    async def _deliver(
+        self, messages: Sequence[ConsumerMessage], *, crash_before_ack: int = 0
+    ) -> list[Delivery]:
+        """Deliver ``messages`` (one, or a batch) until settled, as a broker would: a run is
+        redelivered from its first unsettled message; each verdict is carried out by the
+        transports' settle path on an in-memory transport."""
+        transport = MemoryTransport(self.plain)
+        if not self.batch:
+            one = await deliver(
+                self._attempt_one,
+                messages[0],
+                transport=transport,
+                crash_before_ack=crash_before_ack,
+                max_deliveries=200,
+            )
+            return [one]
+        return await deliver_batch(
+            self._attempt,
+            messages,
+            transport=transport,
+            crash_before_ack=crash_before_ack,
+            max_rounds=200,
+        )
+
+    async def _attempt_one(self, message: ConsumerMessage) -> Verdict:
+        return (await self._attempt([message]))[0]
+
+    async def _attempt(self, messages: list[ConsumerMessage]) -> list[Verdict]:
+        """One delivery attempt, watched: if a fault fired in it and the scenario says the unit
+        was rolled back, nothing of it may remain."""
+        fired = len(self.events)
+        try:
+            if self.batch:
+                verdicts = await self.consumer.process_batch(messages)
+            else:
+                verdicts = [await self.consumer.process(messages[0])]
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and self.events[fired:] and task.cancelling():
+                task.uncancel()  # the kit's own cancellation, not the test's
+            await self._check_rolled_back(messages, fired)
+            raise
+        except Exception:
+            await self._check_rolled_back(messages, fired)
+            raise
+        # a message this attempt settled (batch mode falls back to one by one within the same
+        # call, and that may execute it) shows its effect rightly
+        unsettled = [
+            m for m, v in zip(messages, verdicts, strict=False) if v.action is not Action.ACK
+        ]
+        await self._check_rolled_back(unsettled + messages[len(verdicts) :], fired)
+        for verdict in verdicts:
+            held = verdict.action is Action.RETRY and verdict.reason == "in_progress"
+            if held and self.owner_dead and verdict.key is not None:
+                # the owner's delivery ended: its lease runs out (now, not in 30 s)
+                await self._expire_lease(verdict.key)
+        return verdicts
+
+    async def _check_rolled_back(self, messages: list[ConsumerMessage], fired: int) -> None:
+        scenario = self.scenario
+        if scenario is None or not scenario.rolled_back or len(self.events) == fired:
+            return
+        if self.failure is not None:
+            return
+        for message in _unique(messages):
+            key = self._key(scenario.name, message)
+            now = await self._effect(message)
+            if now != self.before[key]:
+                self.failure = NotIdempotent(
+                    scenario.name,
+                    f"the attempt was rolled back ({', '.join(self.events[fired:])}), yet the "
+                    f"effect is {now!r} where it was {self.before[key]!r} before the delivery: "
+                    "part of the handler's effect is not in the idempotency transaction (a "
+                    "write through another connection or pool, a call to another service, or "
+                    "a COMMIT of the handler's own), and the redelivery will do it again",
+                )
+                return
+
+    # --- the faults the kit plays around the handler ---------------------------------------
+
+    def _wrap(self, handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        kit = self
+
+        async def under_test(work: Any, context: Any) -> Any:
+            inject, kit.inject = kit.inject, None
+            if inject == "ambiguous_before":
+                kit.events.append("ambiguous failure before the call")
+                raise Ambiguous("injected: the request may have left (a connect timeout)")
+            result = await handler(work, context)
+            if inject == "ambiguous_after":
+                kit.events.append("ambiguous failure after the call")
+                raise Ambiguous("injected: the call was made, its answer was lost")
+            if inject == "lease_lost":
+                kit.events.append("lease lost during the call")
+                await kit._expire_lease(context.key)
+                await kit.plain.maintenance.sweep()  # the sweeper parks it as unknown
+            if inject == "session_killed":
+                kit.events.append("the server ended the unit's session")
+                await kit._terminate(context)
+            return result
+
+        under_test.__name__ = getattr(handler, "__name__", "handler")
+        under_test.__doc__ = handler.__doc__
+        return under_test
+
+    async def _expire_lease(self, key: str) -> None:
+        async with self.pool.acquire(timeout=10) as conn:
+            await conn.execute(
+                f"UPDATE {self.store.table} SET locked_until = now() - interval '1 second'"
+                " WHERE scope = $1 AND key = $2 AND status = 'in_progress'",
+                self.scope,
+                key,
+            )
+
+    async def _terminate(self, conn: Any) -> None:
+        """End the unit's session from the server side, as an operator, a statement timeout or a
+        failover does, and wait until its backend is gone (its transaction rolled back)."""
+        pid = conn.get_server_pid()
+        async with self.pool.acquire(timeout=10) as admin:
+            await admin.execute("SELECT pg_terminate_backend($1)", pid)
+            for _ in range(500):
+                if not await admin.fetchval(
+                    "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)", pid
+                ):
+                    return
+                await asyncio.sleep(0.01)
+
+    # --- reconciliation ---------------------------------------------------------------------
+
+    async def _reconcile(self, name: str, message: ConsumerMessage, key: str) -> None:
+        """Settle a record left ``unknown`` as the reconciler would; a "not executed" answer
+        re-sends the original, which is delivered again."""
+        for _ in range(3):
+            record = await self.plain.get(self.scope, key)
+            if record is None or record.status is not Status.UNKNOWN:
+                return
+            transport = MemoryTransport(self.plain)
+            writes = self.consumer.local_writes
+            reconciler = Reconciler(
+                self.plain,
+                self.resolver or self._truth(message, key),
+                backoff=(0.01, 0.05),
+                redispatch_grace=0.0,
+                # as an operator's reconciler must: "executed" commits the local rows too
+                local_writes=None if writes is None else {self.scope: writes},
+            )
+            reconciler.attach(transport)
+            notice = ConsumerMessage(encode_notice(self.scope, key, record.last_error))
+            await deliver(reconciler.process, notice, transport=transport)
+            copies = [
+                ConsumerMessage(n.body, dict(n.headers))
+                for n in transport.redispatched
+                if n.body is not None
+            ]
+            record = await self.plain.get(self.scope, key)
+            if record is not None and record.status is Status.FAILED_RETRYABLE and not copies:
+                copies = [message.fresh()]  # nothing kept to re-send: the broker redelivers it
+            for copy in copies:
+                await self._deliver([copy])
+        record = await self.plain.get(self.scope, key)
+        raise NotIdempotent(name, f"still unknown after reconciliation: {_story(None, record)}")
+
+    def _truth(self, message: ConsumerMessage, key: str) -> Resolver:
+        async def resolve(record: Record) -> Executed | NotExecuted:
+            if await self._effect(message) == self.before[key]:
+                return NotExecuted("assert_idempotent: effect() shows no effect")
+            return Executed(None)
+
+        return resolve
+
+    # --- checks -----------------------------------------------------------------------------
+
+    async def _expect_completed(self, name: str, key: str, delivery: Delivery | None) -> None:
+        record = await self.plain.get(self.scope, key)
+        if record is None or record.status is not Status.COMPLETED:
+            raise NotIdempotent(
+                name,
+                f"the record is {record.status if record else 'missing'} where one clean "
+                f"delivery leaves it completed: {_story(delivery, record)}",
+            )
+
+    async def _expect_clean(self, name: str, message: ConsumerMessage, when: str) -> None:
+        now = await self._effect(message)
+        if now != self.clean:
+            raise NotIdempotent(
+                name,
+                f"{when}, the effect is {now!r}; one clean delivery gives {self.clean!r}"
+                f"{_fired(self.events)}",
+            )
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    async def _fresh(self, name: str) -> tuple[ConsumerMessage, str]:
+        """A new message from ``make_message()``, its key, and its effect before delivery."""
+        message = self.make_message()
+        if inspect.isawaitable(message):
+            message = await message
+        if not isinstance(message, ConsumerMessage):
+            raise TypeError(
+                f"make_message() returned {type(message).__name__}, not a ConsumerMessage"
+            )
+        key = self._key(name, message)
+        if key in self.before:
+            raise ValueError(f"make_message() returned the key {key!r} twice: make a new one")
+        self.before[key] = await self._effect(message)
+        return message, key
+
+    def _key(self, name: str, message: ConsumerMessage) -> str:
+        prepared = self.consumer.prepare(message)
+        if isinstance(prepared, Verdict):
+            raise NotIdempotent(
+                name,
+                f"the message is dead-lettered before the handler runs ({prepared.reason}): "
+                "make_message() must make a message the consumer accepts",
+            )
+        return prepared[0]
+
+    async def _effect(self, message: ConsumerMessage) -> Any:
+        async with self.pool.acquire() as conn:
+            value = self.effect(cast(asyncpg.Connection, conn), message)
+            return await value if inspect.isawaitable(value) else value
+
+
+def _unique(messages: Sequence[ConsumerMessage]) -> list[ConsumerMessage]:
+    """The distinct messages of a run (a duplicate inside a batch is the same message)."""
+    seen: list[ConsumerMessage] = []
+    for message in messages:
+        if not any(message.body == m.body and message.headers == m.headers for m in seen):
+            seen.append(message)
+    return seen
+
+
+def _fired(events: list[str]) -> str:
+    return f" (faults: {', '.join(events)})" if events else ""
+
+
+def _story(delivery: Delivery | None, record: Record | None) -> str:
+    parts = []
+    if delivery is not None:
+        verdicts = ", ".join(
+            f"{v.action}{' duplicate' if v.duplicate else ''}{f' ({v.reason})' if v.reason else ''}"
+            for v in delivery.verdicts
+        )
+        parts.append(
+            f"{delivery.deliveries} deliveries, {delivery.crashes} crashed, verdicts [{verdicts}]"
+        )
+    if record is not None:
+        parts.append(
+            f"record {record.status}"
+            + (f", last error {record.last_error!r}" if record.last_error else "")
+        )
+    return "; ".join(parts) or "nothing recorded"

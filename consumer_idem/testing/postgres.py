@@ -1,0 +1,146 @@
+"""A PostgreSQL for tests: the user's (``CONSUMER_IDEM_PG_DSN``), else one in a container.
+
+* :func:`postgres_dsn` finds the database: the DSN in ``CONSUMER_IDEM_PG_DSN``; without one,
+  a PostgreSQL container started with testcontainers when a Docker engine answers (the
+  ``testing`` extra); otherwise :class:`NoPostgres`, whose message says how to provide one.
+* :func:`fresh_store` gives a :class:`PostgresStore` migrated into a new schema of its own, on a
+  pool whose ``search_path`` puts that schema first (so the tables a test creates live there
+  too), and drops the schema with everything in it afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import asyncpg
+
+from consumer_idem.stores.postgres.store import PostgresStore
+
+#: where the kit reads the DSN of the database the tests may create schemas in
+DSN_ENV = "CONSUMER_IDEM_PG_DSN"
+#: the image started when there is no DSN (override: ``CONSUMER_IDEM_TEST_PG_IMAGE``)
+IMAGE_ENV = "CONSUMER_IDEM_TEST_PG_IMAGE"
+DEFAULT_IMAGE = "postgres:16-alpine"
+
+HOW = (
+    f"Either set {DSN_ENV} to a PostgreSQL the tests may create schemas in, e.g. "
+    f"`export {DSN_ENV}=postgresql://postgres:postgres@127.0.0.1:5432/postgres` (each test "
+    "gets a schema of its own, dropped afterwards), or install the testing extra "
+    "(`pip install 'consumer-idem[testing]'`) and run a Docker engine: the kit then starts "
+    f"PostgreSQL ({DEFAULT_IMAGE}) in a container for the test session."
+)
+
+
+class NoPostgres(RuntimeError):
+    """No PostgreSQL for the tests, and why; the message says how to provide one."""
+
+
+def docker_unavailable() -> str | None:
+    """Why no Docker engine can be used (``None``: one answers), as testcontainers sees it."""
+    try:
+        from testcontainers.core.docker_client import DockerClient
+    except ImportError as exc:
+        return f"testcontainers is not installed ({exc})"
+    try:
+        DockerClient().client.ping()
+    except Exception as exc:  # any failure to reach the engine: report it, do not guess
+        return f"no Docker engine answers: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _container_class() -> Any:
+    try:
+        from testcontainers.community.postgres import PostgresContainer
+    except ImportError:  # testcontainers before the community namespace
+        from testcontainers.postgres import PostgresContainer
+    return PostgresContainer
+
+
+@contextlib.contextmanager
+def postgres_dsn() -> Iterator[str]:
+    """The DSN of a PostgreSQL for tests, for as long as the context lasts (a container started
+    here is stopped at its end). Raises :class:`NoPostgres` when there is none."""
+    dsn = os.environ.get(DSN_ENV)
+    if dsn:
+        yield dsn
+        return
+    why = docker_unavailable()
+    if why is not None:
+        raise NoPostgres(f"no PostgreSQL for the tests: {DSN_ENV} is not set and {why}. {HOW}")
+    image = os.environ.get(IMAGE_ENV, DEFAULT_IMAGE)
+    container = _container_class()(image, driver=None)
+    try:
+        container.start()
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            container.stop()
+        raise NoPostgres(
+            f"no PostgreSQL for the tests: {DSN_ENV} is not set, a Docker engine answers, but "
+            f"the container {image} did not start: {type(exc).__name__}: {exc}. (An engine "
+            f"that cannot reach an image registry needs the image loaded first, or another "
+            f"one named in {IMAGE_ENV}.) {HOW}"
+        ) from exc
+    try:
+        yield container.get_connection_url(driver=None)
+    finally:
+        container.stop()
+
+
+@contextlib.asynccontextmanager
+async def fresh_store(
+    dsn: str, *, prefix: str = "ci_test", max_size: int = 10, **store_options: Any
+) -> AsyncIterator[PostgresStore]:
+    """A :class:`PostgresStore` migrated into a new schema ``<prefix>_<random>`` on ``dsn``;
+    the schema is dropped (``DROP SCHEMA ... CASCADE``) when the context ends. The store's pool
+    (``store.pool``) has that schema first on its ``search_path``, so unqualified tables the
+    test creates on it are dropped with it. ``store_options``: passed to the store."""
+    schema = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    try:
+        pool = await asyncpg.create_pool(
+            dsn,
+            min_size=1,
+            max_size=max_size,
+            server_settings={"search_path": f'"{schema}", public'},
+        )
+    except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
+        raise NoPostgres(
+            f"the PostgreSQL at {DSN_ENV}={_redacted(dsn)} does not answer: "
+            f"{type(exc).__name__}: {exc}. Start it, or point {DSN_ENV} at one that runs (with "
+            "it unset, the kit starts PostgreSQL in a container when a Docker engine answers)."
+        ) from exc
+    try:
+        store = PostgresStore(pool, schema=schema, **store_options)
+        await store.migrate()
+        yield store
+    finally:
+        try:
+            # a test that left a connection checked out must not hang the clean-up
+            await asyncio.wait_for(pool.close(), timeout=10)
+        except Exception:
+            pool.terminate()
+        await drop_schema(dsn, schema)
+
+
+async def drop_schema(dsn: str, schema: str) -> None:
+    """``DROP SCHEMA schema CASCADE`` on a connection of its own."""
+    conn = await asyncpg.connect(dsn, timeout=10)
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    finally:
+        await conn.close()
+
+
+def _redacted(dsn: str) -> str:
+    """The DSN without its password (it goes into a failure message)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(dsn)
+    if parts.password is None:
+        return dsn
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))

@@ -1,0 +1,44 @@
+"""OpenTelemetry: set a tracer provider, and deliveries and requests are traced."""
+
+import asyncio
+import os
+import uuid
+
+import asyncpg
+
+# --8<-- [start:setup]
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from consumer_idem import ConsumerMessage, PostgresStore, idempotent_consumer, tracing
+
+exporter = InMemorySpanExporter()  # in production: OTLPSpanExporter(), BatchSpanProcessor
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)  # that is all: deliveries and requests are traced
+tracing.configure(key="truncate", key_length=12)  # optional: how keys appear in spans
+# --8<-- [end:setup]
+
+DSN = os.environ.get("CONSUMER_IDEM_PG_DSN", "postgresql://postgres:postgres@127.0.0.1/postgres")
+
+
+async def main() -> None:
+    pool = await asyncpg.create_pool(DSN)
+    store = PostgresStore(pool)
+    await store.migrate()
+
+    @idempotent_consumer(store, scope="docs.traced")
+    async def handle(message: ConsumerMessage, conn: asyncpg.Connection) -> None:
+        await conn.execute("SELECT 1")
+
+    key = f"k-{uuid.uuid4().hex[:8]}".encode()
+    await handle.process(ConsumerMessage(b"{}", {"idempotency-key": key}))
+    names = [span.name for span in exporter.get_finished_spans()]
+    print(names)  # the claim, your handler, the commit, inside the delivery's span
+    assert {"consumer_idem.reserve", "consumer_idem.handler", "consumer_idem.commit"} <= set(names)
+    await pool.close()
+
+
+asyncio.run(main())

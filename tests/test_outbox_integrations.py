@@ -1,0 +1,176 @@
+"""The outbox from the other entry points: an HTTP route (``outbox_of(request)``) and a
+FastStream subscriber (``IdempotentOutbox``), on real Postgres and Kafka."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+from aiokafka import AIOKafkaProducer
+from faststream import AckPolicy
+from faststream.kafka import KafkaBroker, KafkaRouter
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from consumer_idem import PostgresStore, header
+from consumer_idem.cli.settings import Settings
+from consumer_idem.faststream import CurrentIdempotency, Idempotency, IdempotentOutbox
+from consumer_idem.http import IdempotencyMiddleware, outbox_of
+from consumer_idem.outbox import OutboxService, outgoing_key
+from consumer_idem.transports.kafka import KafkaOutboxSender
+from tests._outbox import header as header_of
+from tests._outbox import outbox_store, producer, rows
+from tests._payments import read_topic, wait_until
+from tests.conftest import unique
+
+
+@pytest.fixture(autouse=True)
+async def _migrated(store: PostgresStore) -> None:
+    """Every test here runs on the session's migrated schema (through a store of its own)."""
+
+
+async def test_an_http_route_publishes_once_per_committed_request(
+    settings: Settings, pg_pool: asyncpg.Pool, kafka_topic_factory: Any
+) -> None:
+    store = outbox_store(pg_pool, relay_after=60)
+    topic = await kafka_topic_factory("outbox-http")
+    tenant = unique("tenant")
+
+    async def create(request: Request) -> JSONResponse:
+        data = await request.json()
+        outbox_of(request).publish(topic, {"order": data["order"]}, key=data["order"])
+        if data.get("fail"):  # a 5xx is not committed: its message must not leave
+            return JSONResponse({"error": "upstream"}, status_code=502)
+        return JSONResponse({"order": data["order"]}, status_code=201)
+
+    app = Starlette(routes=[Route("/orders", create, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, caller=lambda conn: tenant)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with (
+        producer(settings.kafka_bootstrap) as p,
+        OutboxService(store, KafkaOutboxSender(p), relay_interval=None) as service,
+        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+    ):
+        first = await client.post("/orders", json={"order": "o1"}, headers={"Idempotency-Key": "a"})
+        again = await client.post("/orders", json={"order": "o1"}, headers={"Idempotency-Key": "a"})
+        failed = await client.post(
+            "/orders", json={"order": "o2", "fail": True}, headers={"Idempotency-Key": "b"}
+        )
+        assert (first.status_code, again.status_code, failed.status_code) == (201, 201, 502)
+        assert again.headers.get("idempotent-replayed") == "true"
+        assert service.dispatcher is not None and await service.dispatcher.drain(10)
+    records = await read_topic(settings.kafka_bootstrap, topic, 2, within=5)
+    assert [json.loads(r.value) for r in records] == [{"order": "o1"}]
+    # the unit is the request's record: its scope names the caller and the route
+    (row,) = await pg_pool.fetch(
+        f"SELECT scope, status FROM {store.outbox.table} WHERE scope LIKE $1", f"http:{tenant}:%"
+    )
+    assert row["status"] == "sent"
+    assert header_of(records[0]) == outgoing_key(row["scope"], "a", 0)
+
+
+async def test_a_faststream_subscriber_publishes_through_its_broker_once(
+    settings: Settings,
+    pg_pool: asyncpg.Pool,
+    scope: str,
+    kafka_topic_factory: Any,
+    kafka_producer: AIOKafkaProducer,
+) -> None:
+    store = outbox_store(pg_pool, relay_after=60)
+    source = await kafka_topic_factory("outbox-fs-in")
+    events = await kafka_topic_factory("outbox-fs-out")
+    broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
+    idem = Idempotency(store, broker=broker, scope=scope, key=header("idempotency-key"))
+    router = KafkaRouter(middlewares=[idem])
+    failed: set[str] = set()
+
+    @router.subscriber(
+        source, group_id=unique("fsg"), ack_policy=AckPolicy.MANUAL, auto_offset_reset="earliest"
+    )
+    async def book(
+        data: dict[str, Any], outbox: IdempotentOutbox, current: CurrentIdempotency
+    ) -> None:
+        outbox.publish(events, {"booked": data["n"]}, key=current.key)
+        if data.get("fail_once") and current.key not in failed:
+            failed.add(current.key)  # rolled back with its message; the redelivery publishes
+            raise ConnectionError("first attempt fails")
+
+    broker.include_router(router)
+    items = [("k1", {"n": 1}), ("k2", {"n": 2, "fail_once": True}), ("k1", {"n": 1})]
+    for key, body in items:
+        await kafka_producer.send_and_wait(
+            source, json.dumps(body).encode(), headers=[("idempotency-key", key.encode())]
+        )
+    await broker.start()
+    try:
+
+        async def settled() -> bool:
+            return idem.stats.processed >= len(items)
+
+        await wait_until(settled, 60, "every record to be settled")
+
+        async def sent() -> bool:
+            return {r["status"] for r in await rows(store, scope)} == {"sent"}
+
+        await wait_until(sent, 30, "the outbox to be dispatched")
+    finally:
+        await broker.stop()
+    records = await read_topic(settings.kafka_bootstrap, events, 3, within=5)
+    assert sorted(json.loads(r.value)["booked"] for r in records) == [1, 2]
+    assert {header_of(r) for r in records} == {outgoing_key(scope, k, 0) for k in ("k1", "k2")}
+
+
+async def test_a_sqlalchemy_session_publishes_through_its_units_outbox(
+    settings: Settings, pg_dsn: str, scope: str, kafka_topic_factory: Any
+) -> None:
+    """The store on the application's engine (one pool): ``outbox_for(connection_of(session))``
+    reaches the unit's outbox; a session that rolls back rolls its messages back with it."""
+    from sqlalchemy import text
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    from consumer_idem import OutcomeKind, run_transactional
+    from consumer_idem.outbox import outbox_for
+    from consumer_idem.sqlalchemy import connection_of, engine_store, with_session
+
+    engine = create_async_engine(make_url(pg_dsn).set(drivername="postgresql+asyncpg"))
+    store = engine_store(engine)
+    store.outbox.relay_after = 60
+    topic = await kafka_topic_factory("outbox-sa")
+
+    def booking(n: int, roll_back: bool = False) -> Any:
+        async def book(session: AsyncSession) -> int:
+            await session.execute(text("SELECT 1"))
+            outbox_for(connection_of(session)).publish(topic, {"n": n})
+            if roll_back:
+                await session.rollback()  # the whole unit, its message too
+            return n
+
+        return with_session(book)
+
+    try:
+        async with (
+            producer(settings.kafka_bootstrap) as p,
+            OutboxService(store, KafkaOutboxSender(p), relay_interval=None) as service,
+        ):
+            kinds = [
+                (await run_transactional(store, scope, key, "v1:x", booking(n, rb))).kind
+                for key, n, rb in (("a", 1, False), ("a", 1, False), ("b", 2, True))
+            ]
+            assert kinds == [
+                OutcomeKind.EXECUTED,
+                OutcomeKind.REPLAYED,
+                OutcomeKind.FAILED_RETRYABLE,
+            ]
+            assert service.dispatcher is not None and await service.dispatcher.drain(10)
+        assert [r["status"] for r in await rows(store, scope)] == ["sent"]
+    finally:
+        await engine.dispose()
+    records = await read_topic(settings.kafka_bootstrap, topic, 2, within=5)
+    assert [json.loads(r.value) for r in records] == [{"n": 1}]
+    assert header_of(records[0]) == outgoing_key(scope, "a", 0)

@@ -1,0 +1,83 @@
+"""Pruning walks the expiry index once, oldest first, whatever the physical order of the rows:
+what keeps a prune of a million expired rows in a big store fast (see ``store.prune.*`` in the
+benchmarks)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from consumer_idem import PostgresStore
+
+
+@pytest.fixture
+async def own_store(pg_dsn: str) -> AsyncIterator[PostgresStore]:
+    """A store in a schema of its own, on one connection (its statistics are this test's)."""
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=1)
+    assert pool is not None
+    store = PostgresStore(pool, schema=f"prune_{uuid.uuid4().hex[:10]}")
+    await store.migrate()
+    yield store
+    await pool.execute(f'DROP SCHEMA "{store.schema}" CASCADE')
+    await pool.close()
+
+
+async def add(store: PostgresStore, n: int, status: str, ages_s: list[float]) -> None:
+    """``n`` rows of ``status`` that expired ``ages_s[i]`` seconds ago, inserted in that order."""
+    await store.pool.execute(
+        f"INSERT INTO {store.table} (scope, key, fingerprint, status, reconcile_after, expires_at)"
+        " SELECT 's', $1 || i, 'fp', $2, CASE WHEN $2 = 'unknown' THEN now() END,"
+        " now() - make_interval(secs => ($3::float8[])[i])"
+        " FROM generate_series(1, $4) i",
+        f"{status}-",
+        status,
+        ages_s,
+        n,
+    )
+
+
+async def test_prune_deletes_the_oldest_first_whatever_the_heap_order(
+    own_store: PostgresStore,
+) -> None:
+    # stored newest-expired first: a scan in physical order would meet the youngest first
+    await add(own_store, 200, "completed", [float(i + 1) for i in range(200)])
+    await own_store.pool.execute(f"ANALYZE {own_store.table}")
+    report = await own_store.maintenance.prune(batch_size=50, max_batches=1)
+    assert report.rows == 50 and not report.finished
+    left = await own_store.pool.fetch(f"SELECT key FROM {own_store.table}")
+    # completed-1 expired 1 s ago ... completed-200 200 s ago: the last 50 stored are gone
+    assert sorted(int(r["key"].split("-")[1]) for r in left) == list(range(1, 151))
+
+
+async def expiry_index_reads(store: PostgresStore, admin: asyncpg.Pool) -> int:
+    async with store.pool.acquire() as conn:  # the store's only connection: flush its counts
+        await conn.execute("SELECT pg_stat_force_next_flush()")
+    for _ in range(50):
+        await asyncio.sleep(0.1)
+        n = await admin.fetchval(
+            "SELECT idx_tup_read FROM pg_stat_user_indexes WHERE schemaname = $1"
+            " AND indexrelname = 'idempotency_records_expiry'",
+            store.schema,
+        )
+        if n:
+            return int(n)
+    raise AssertionError("no statistics for the expiry index")
+
+
+async def test_each_batch_starts_where_the_last_one_ended(
+    own_store: PostgresStore, pg_pool: asyncpg.Pool
+) -> None:
+    # 2,000 unknown rows that expired long ago are never pruned (reconciliation owns them);
+    # 2,000 completed ones after them are, in 40 batches of 50
+    await add(own_store, 2000, "unknown", [86400.0 + i for i in range(2000)])
+    await add(own_store, 2000, "completed", [3600.0 - i for i in range(2000)])
+    await own_store.pool.execute(f"ANALYZE {own_store.table}")
+    report = await own_store.maintenance.prune(batch_size=50)
+    assert report.rows == 2000 and report.batches == 41
+    # walked once: about 4,000 entries, not 40 times over the 2,000 unknown ones (80,000)
+    assert await expiry_index_reads(own_store, pg_pool) < 8000
+    assert await own_store.maintenance.count_unknown() == 2000
