@@ -361,10 +361,11 @@ class TransactionalClaim:
             ended.__cause__ = lost
             return await self.fail(ended, _our_commit=True)
         except _Refused as refused:
-            if mark_lost(refused) and await self._claim_committed_by_work():
+            claim = await self._claim_committed_by_work() if mark_lost(refused) else None
+            if claim is not None:
                 # COMMIT; BEGIN in the work: our claim (and what the work wrote before) is
                 # durable, the rest is rolled back here. Not a failure to retry: never again.
-                return await self._ended_by_work(refused.__cause__ or refused)
+                return await self._ended_by_work(refused.__cause__ or refused, claim)
             log.warning(
                 "scope=%s key=%s: the commit did not happen (%s): the attempt is a failure",
                 scope,
@@ -394,23 +395,29 @@ class TransactionalClaim:
         committed(store, outgoing)  # sent now by this process (or, failing that, a relay)
         return self.outcome
 
-    async def _claim_committed_by_work(self) -> bool:
-        """After a lost transaction mark: did a COMMIT of the work's commit our claim row (then
-        the work may have durable effects) or did the claim go with a ROLLBACK (then nothing
-        of the attempt is left, and it is an ordinary failure to retry)?"""
+    async def _claim_committed_by_work(self) -> Record | None:
+        """After a lost transaction mark: our claim row if a COMMIT of the work's committed it
+        (then the work may have durable effects), None if the claim went with a ROLLBACK (then
+        nothing of the attempt is left, and it is an ordinary failure to retry)."""
         await rollback(self.conn)  # the transaction the work began is aborted: end it
         record = await self.store.get(self.scope, self.key)
         if record is None:
-            return False
+            return None
         if self.token is None:  # our INSERT claimed the key: a completed row is ours
-            return record.status is Status.COMPLETED
-        return record.status is Status.IN_PROGRESS and record.owner_token == self.token
+            ours = record.status is Status.COMPLETED
+        else:
+            ours = record.status is Status.IN_PROGRESS and record.owner_token == self.token
+        return record if ours else None
 
-    async def _ended_by_work(self, exc: BaseException | None) -> Outcome:
+    async def _ended_by_work(
+        self, exc: BaseException | None, committed: Record | None = None
+    ) -> Outcome:
         """The work sent COMMIT or ROLLBACK on the claim's connection itself. What it wrote
         before, and what it wrote after in autocommit, may be durable without the record that
         guards it: it must never run again. Unless its COMMIT took our completed claim row with
-        it (then the record says so), the key is parked as ``unknown`` for reconciliation."""
+        it (then the record says so), the key is parked as ``unknown`` for reconciliation.
+        ``committed``: our claim row, already read, when the work's COMMIT is known to have
+        committed it."""
         scope, key = self.scope, self.key
         log.error(
             "scope=%s key=%s: the work ended the idempotency transaction itself (COMMIT or "
@@ -421,18 +428,18 @@ class TransactionalClaim:
             extra={"scope": scope, "key": key},
         )
         why = "the handler ended the idempotency transaction itself"
-        record = await self.store.fast_path.record_failure(
+        record = committed or await self.store.fast_path.record_failure(
             scope, key, self.fingerprint, "unknown", why, retention=self.retention, conn=self.conn
         )
         if record is None:  # its COMMIT committed our claim: that record is the truth
             record = await self.store.get(scope, key)
-            if (
-                record is not None
-                and self.token is not None
-                and record.status is Status.IN_PROGRESS
-                and record.owner_token == self.token
-            ):  # our re-acquired lease, committed by the work: park it now, not at expiry
-                record = await self.store.mark_unknown(scope, key, self.token, why)
+        if (
+            record is not None
+            and self.token is not None
+            and record.status is Status.IN_PROGRESS
+            and record.owner_token == self.token
+        ):  # our re-acquired lease, committed by the work: park it now, not at expiry
+            record = await self.store.mark_unknown(scope, key, self.token, why)
         if record is not None and record.status is Status.COMPLETED:
             self.outcome = Outcome(
                 OutcomeKind.REPLAYED, scope, key, record.result, record.result_kind, record

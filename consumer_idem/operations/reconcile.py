@@ -42,6 +42,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from consumer_idem.backoff import Backoff
 from consumer_idem.commit import commit, rollback
@@ -239,35 +240,33 @@ class Reconciler:
         if writes is None:
             await self.store.resolve(scope, key, answer)
             return None
-        async with self.store.connection() as conn:
+
+        async def resolve_with_writes(conn: Any) -> StillUnknown | None:
             await conn.execute("BEGIN")
             try:
                 await self.store.resolve(scope, key, answer, conn=conn)
-                await writes(conn, answer.result)
-            except ConsumerIdemError:  # NotUnknown, StoreUnavailable: the caller decides
-                await rollback(conn)
-                raise
-            except Exception as exc:
-                await rollback(conn)
-                log.warning(
-                    "scope=%s key=%s: executed, but its local writes failed (rolled back, "
-                    "asked again later): %r",
-                    scope,
-                    key,
-                    exc,
-                    extra={"scope": scope, "key": key},
-                )
-                return StillUnknown(f"local_writes failed: {type(exc).__name__}: {exc}"[:500])
+                try:
+                    await writes(conn, answer.result)
+                except ConsumerIdemError:
+                    raise
+                except Exception as exc:
+                    log.warning(
+                        "scope=%s key=%s: executed, but its local writes failed (rolled back, "
+                        "asked again later): %r",
+                        scope,
+                        key,
+                        exc,
+                        extra={"scope": scope, "key": key},
+                    )
+                    await rollback(conn)
+                    return StillUnknown(f"local_writes failed: {type(exc).__name__}: {exc}"[:500])
             except BaseException:
                 await rollback(conn)
                 raise
-            try:
-                await commit(conn)
-            except ConsumerIdemError:
-                raise
-            except Exception as exc:  # the COMMIT's fate is unknown: resolution and rows together
-                raise self.store.error_for("resolve", exc, scope) from exc
-        return None
+            await commit(conn)  # its failure is classified by store.run, like any store error
+            return None
+
+        return await self.store.run("resolve", scope, None, resolve_with_writes)
 
     async def _not_executed(self, notice: Notice, answer: NotExecuted) -> Verdict:
         scope, key = notice.scope, notice.key
