@@ -29,7 +29,7 @@ CONCURRENCY = 8
 
 async def run(per_chunk: int = 2000, chunks: int = 6) -> list[dict[str, Any]]:
     settings = load_settings()
-    redis = aioredis.from_url(settings.redis_url, socket_timeout=1)
+    redis = aioredis.from_url(settings.redis_url, socket_timeout=None, socket_connect_timeout=1)
     prefix = f"bench-{uuid.uuid4().hex[:8]}:"
     results = []
     async with scratch_database() as dsn:

@@ -51,7 +51,6 @@ import asyncpg
 from consumer_idem import tracing
 from consumer_idem.commit import (
     Rider,
-    check_sql,
     commit,
     execute_and_commit,
     mark_lost,
@@ -462,7 +461,7 @@ class TransactionalClaim:
             retention=self.retention,
             conn=self.conn,
         )
-        check = check_sql(self.mark)
+        check = self.store.fast_path.check(self.mark)  # prepared by begin_and_claim
         if then:  # the outbox's INSERT, a NOTIFY
             check += "; " + then
         await execute_and_commit(self.conn, check)

@@ -86,14 +86,30 @@ def mark_sql(mark: str) -> str:
 MARK_LOST = "consumer-idem: the handler ended the idempotency transaction itself"
 
 
+def _check(mark: str) -> str:
+    current = f"current_setting('{MARK_SETTING}', true)"
+    return (
+        f"SELECT CASE WHEN {current} IS DISTINCT FROM {mark} THEN ('{MARK_LOST} "
+        f"(COMMIT or ROLLBACK on its connection) ' || coalesce({current}, ''))::int END"
+    )
+
+
 def check_sql(mark: str) -> str:
     """Sent right before COMMIT: fails unless this is still the transaction marked ``mark``.
     (The failing branch depends on a setting, so the planner cannot fold it into an error.)"""
-    current = f"current_setting('{MARK_SETTING}', true)"
-    return (
-        f"SELECT CASE WHEN {current} IS DISTINCT FROM '{mark}' THEN ('{MARK_LOST} "
-        f"(COMMIT or ROLLBACK on its connection) ' || coalesce({current}, ''))::int END"
-    )
+    return _check(f"'{mark}'")
+
+
+def prepare_check_sql(name: str) -> str:
+    """:func:`check_sql` as a server-side prepared statement ``name`` taking the mark: a
+    connection that sends one unit after another would otherwise parse and plan the check for
+    each (measured: about a fifth of Postgres' CPU per unit, with eight units at once)."""
+    return f"PREPARE {name}(text) AS {_check('$1')}"
+
+
+def run_check_sql(name: str, mark: str) -> str:
+    """Run the check prepared as ``name`` (see :func:`prepare_check_sql`) for ``mark``."""
+    return f"EXECUTE {name}('{mark}')"
 
 
 def mark_lost(exc: BaseException | None) -> bool:

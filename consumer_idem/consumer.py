@@ -9,6 +9,7 @@ or publish a reconciliation notice and then ack). The transports
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import random
@@ -394,6 +395,15 @@ class IdempotentConsumer:
             return prepared
         return await self.execute(message, *prepared, conn=conn, rider=rider)
 
+    @tracing.traced("handler")
+    async def _run_handler(self, message: ConsumerMessage, arg: Any) -> Any:
+        """The user's handler on one message: ``arg`` is the attempt (two-phase) or the
+        connection (transactional; a batch handler gets a list of one)."""
+        if self.mode == "two_phase" or not self.batch:
+            return await self.handler(message, arg)
+        results = await self.handler([message], arg)
+        return results[0] if results else None
+
     @tracing.traced_delivery
     async def execute(
         self,
@@ -405,37 +415,26 @@ class IdempotentConsumer:
     ) -> Verdict:
         """:meth:`process` after :meth:`prepare`: for a transport that needs the key first."""
         try:
+            # the handler step, bound to this message (a partial: no closure to decorate per call)
+            step = functools.partial(self._run_handler, message)
             if self.mode == "two_phase":
-
-                @tracing.traced("handler")
-                async def action(attempt: Attempt) -> Any:
-                    return await self.handler(message, attempt)
-
                 outcome = await run_two_phase(
                     self.store,
                     self.scope,
                     key,
                     fingerprint,
-                    action,
+                    step,
                     local_writes=self.local_writes,
                     lease=self.lease,
                     retention=self.retention,
                 )
             else:
-
-                @tracing.traced("handler")
-                async def in_tx(conn: asyncpg.Connection) -> Any:
-                    if not self.batch:
-                        return await self.handler(message, conn)
-                    results = await self.handler([message], conn)
-                    return results[0] if results else None
-
                 outcome = await run_transactional(
                     self.store,
                     self.scope,
                     key,
                     fingerprint,
-                    in_tx,
+                    step,
                     retention=self.retention,
                     conn=conn,
                     rider=rider,

@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import os
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -86,6 +87,8 @@ class _Config:
     key_length: int = DEFAULT_KEY_LENGTH
     provider: Any = None
     tracer: Any = None
+    #: a global provider has been seen: OpenTelemetry sets it once and never replaces it
+    global_set: bool = False
 
 
 _config = _Config()
@@ -135,15 +138,27 @@ def key_attribute(key: str) -> str | None:
     return None
 
 
+#: OpenTelemetry's variable naming a provider to load (read once: set before the process starts)
+_provider_from_environment = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
+
+
 def active() -> bool:
     """Spans are being made: the API is installed, tracing is on and a provider is set."""
     if _trace is None or not _config.enabled:
         return False
-    if _config.provider is not None:
+    if _config.provider is not None or _config.global_set:
         return True
+    # No global provider yet, and none named by the environment: the API would hand out its
+    # proxy (only non-recording spans). Read from the API's module, because this runs several
+    # times per delivery and the public call looks the variable up in os.environ each time.
+    if getattr(_trace, "_TRACER_PROVIDER", _trace) is None and not _provider_from_environment:
+        return False
     # the API's default provider (a proxy until one is set) makes only non-recording spans
     provider = _trace.get_tracer_provider()
-    return not isinstance(provider, _trace.ProxyTracerProvider | _trace.NoOpTracerProvider)
+    if isinstance(provider, _trace.ProxyTracerProvider | _trace.NoOpTracerProvider):
+        return False
+    _config.global_set = True  # asked several times per delivery: remember the answer
+    return True
 
 
 def _tracer() -> Any:

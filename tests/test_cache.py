@@ -185,6 +185,50 @@ async def test_concurrent_lookups_get_their_own_answers_and_an_outage_fails_them
     await asyncio.sleep(1.5)  # the pause is over before the next test talks to Redis
 
 
+@pytest.mark.parametrize(
+    "client_options",
+    [{"socket_timeout": 2.0}, {}, {"socket_timeout": None}],
+    ids=["longer_socket_timeout", "redis_py_default", "no_socket_timeout"],
+)
+async def test_a_lookup_is_bounded_by_the_cache_timeout_whatever_the_client_waits(
+    client_options: dict[str, float | None],
+    settings: Settings,
+    pg_pool: asyncpg.Pool,
+    store: PostgresStore,
+    redis_client: aioredis.Redis,
+    redis_prefix: str,
+    scope: str,
+) -> None:
+    """The cache's ``timeout`` bounds a lookup even when the client would wait longer (its own
+    ``socket_timeout``, or redis-py 8's default of 5 s per connection): a hung Redis is an
+    outage after ``timeout``, not after the client's timeout. (A client with any socket timeout
+    used to be trusted to bound the call alone.)"""
+    client = aioredis.from_url(settings.redis_url, **client_options)  # type: ignore[arg-type]
+    cache = CompletedCache(client, prefix=redis_prefix, timeout=0.3)
+    cached = PostgresStore(pg_pool, cache=cache)
+    await complete(cached, scope, "k", 1)
+    await redis_client.execute_command("CLIENT", "PAUSE", "1500", "ALL")
+    started = asyncio.get_running_loop().time()
+    assert await cache.get(scope, "k") is None  # a miss: Postgres decides
+    assert asyncio.get_running_loop().time() - started < 1.0
+    assert cache.metrics.count("cache_error") == 1
+    await asyncio.sleep(1.5)  # the pause is over before the next test talks to Redis
+    await client.aclose()
+
+
+async def test_a_fill_after_the_server_lost_its_scripts_still_fills(
+    cached_store: PostgresStore, redis_client: aioredis.Redis, redis_prefix: str, scope: str
+) -> None:
+    """A Redis restart without persistence (or SCRIPT FLUSH) forgets the fill script: the fill
+    sends it again instead of failing, and nothing counts as an outage."""
+    await redis_client.script_flush()
+    await complete(cached_store, scope, "paid", {"charged": 100})
+    assert len(await cached_keys(redis_client, redis_prefix)) == 1
+    assert cached_store.metrics.count("cache_error") == 0
+    assert (await cached_store.reserve(scope, "paid", FP)).kind is DecisionKind.REPLAY
+    assert cached_store.metrics.count("cache_hit", scope) == 1
+
+
 async def test_an_entry_that_names_another_key_is_a_miss(
     cached_store: PostgresStore, redis_client: aioredis.Redis, redis_prefix: str, scope: str
 ) -> None:

@@ -17,7 +17,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import JSON, BigInteger, Identity, Integer, Text, func, select, text
+from sqlalchemy import JSON, BigInteger, Identity, Integer, Text, event, func, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
@@ -435,6 +435,42 @@ async def test_the_engine_pool_serves_the_whole_store_and_replaces_a_broken_conn
         assert engine.pool.checkedout() == 0
     finally:
         await engine.dispose()
+
+
+async def test_the_engine_gets_no_listener_and_its_own_listeners_still_run(
+    engine: AsyncEngine, pg_dsn: str, pg_pool: asyncpg.Pool, store: PostgresStore, scope: str
+) -> None:
+    app_engine = create_async_engine(make_url(pg_dsn).set(drivername="postgresql+asyncpg"))
+    _ = engine  # its tables
+    try:
+        sa_store = engine_store(app_engine, schema=store.schema)
+        # a listener on the engine would make every statement of the application dispatch events
+        assert not app_engine.sync_engine._has_events
+        began: list[int] = []
+
+        @event.listens_for(app_engine.sync_engine, "begin")
+        def on_begin(conn: Any) -> None:  # an application's listener that does I/O
+            began.append(conn.exec_driver_sql("SELECT 1").scalar())
+
+        async def handler(session: AsyncSession) -> int:
+            session.add(Item(scope=scope, name=f"{scope}-l"))
+            await session.rollback()  # still rolls the whole unit back
+            return 1
+
+        outcome = await run_transactional(sa_store, scope, "k", FP, with_session(handler))
+        assert isinstance(outcome.error, SessionRolledBack)
+        assert began == [1]
+
+        async def again(session: AsyncSession) -> int:
+            session.add(Item(scope=scope, name=f"{scope}-l"))
+            return 2
+
+        outcome = await run_transactional(sa_store, scope, "k", FP, with_session(again))
+        assert outcome.kind is OutcomeKind.EXECUTED and began == [1, 1]
+        assert await names(pg_pool, scope) == [f"{scope}-l"]
+        assert app_engine.pool.checkedout() == 0
+    finally:
+        await app_engine.dispose()
 
 
 # --- HTTP ---------------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
+from sqlalchemy.util import greenlet_spawn
 
 from consumer_idem.errors import ConfigurationError, SessionRolledBack
 from consumer_idem.stores.postgres.store import PostgresStore
@@ -99,8 +100,26 @@ _DOOM = (
 # --- one pool: the store acquires through the application's engine ----------------------------
 
 
-#: the engine connection behind each asyncpg connection an :class:`EnginePool` has lent out
-_ENGINE_CONNECTIONS: dict[Any, AsyncConnection] = {}
+class _UnitConnection(Connection):
+    """SQLAlchemy's connection on a unit's asyncpg connection (an :class:`EnginePool`
+    checkout, or an asyncpg pool's connection lent for one session).
+
+    A rollback of its SQLAlchemy transaction (``session.rollback()``, a failed flush, a
+    ``begin()`` block left by an exception) aborts the unit's transaction. That is caught here,
+    where SQLAlchemy fires its ``rollback`` event, rather than by a listener: a listener (on
+    the engine, or on this class) makes every statement dispatch every connection event, and
+    one on the engine would do so for all of the application's connections."""
+
+    def _rollback_impl(self) -> None:
+        binding = self.info.get(_BINDING)
+        if isinstance(binding, _Binding):
+            _abort(binding)
+        super()._rollback_impl()
+
+
+#: the application's engine and its connection behind each asyncpg connection an
+#: :class:`EnginePool` has lent out
+_ENGINE_CONNECTIONS: dict[Any, tuple[AsyncEngine, _UnitConnection]] = {}
 
 
 class EnginePool:
@@ -130,8 +149,6 @@ class EnginePool:
                 f"not {engine.dialect.name}+{engine.dialect.driver}"
             )
         self.engine = engine
-        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
-        _watch_rollbacks(engine)
         _decode_json_in_sqlalchemy(engine)
 
     def acquire(self, *, timeout: float | None = None) -> _EngineCheckout:
@@ -142,10 +159,10 @@ class EnginePool:
 
     async def release(self, conn: Any) -> None:
         """Check ``conn`` (from ``await acquire()``) back in to the engine's pool."""
-        sa_conn = _ENGINE_CONNECTIONS.pop(conn, None)
-        if sa_conn is None:
+        lent = _ENGINE_CONNECTIONS.pop(conn, None)
+        if lent is None:
             raise ValueError("this connection was not acquired from this EnginePool")
-        await _check_in(conn, sa_conn)
+        await _check_in(conn, lent[1])
 
     async def close(self) -> None:
         """Nothing to do: the engine is the application's (``await engine.dispose()``)."""
@@ -188,20 +205,30 @@ async def _reset_json_codecs(conn: Any) -> None:
         await conn.reset_type_codec(name, schema="pg_catalog")
 
 
+def _connect(engine: AsyncEngine) -> _UnitConnection:
+    """Check a connection out of the engine's pool (in SQLAlchemy's greenlet: the pool may
+    connect, ping or recycle), in ``AUTOCOMMIT`` (reset at check-in) and in one hop: no
+    :class:`AsyncConnection` wrapper, which only a session needs (see :func:`bound_session`)."""
+    connection = _UnitConnection(engine.sync_engine)
+    try:
+        connection.execution_options(isolation_level="AUTOCOMMIT")
+    except BaseException:
+        connection.close()
+        raise
+    return connection
+
+
 class _EngineCheckout:
     def __init__(self, pool: EnginePool) -> None:
         self._pool = pool
         self._conn: Any = None
 
     async def _checkout(self) -> Any:
-        sa_conn = await self._pool._autocommit.connect()
-        try:
-            # checked out just now, so valid: reading it needs no I/O (nor a greenlet)
-            raw = sa_conn.sync_connection.connection.driver_connection  # type: ignore[union-attr]
-        except BaseException:
-            await sa_conn.close()
-            raise
-        _ENGINE_CONNECTIONS[raw] = sa_conn
+        engine = self._pool.engine
+        connection = await greenlet_spawn(_connect, engine)
+        # checked out just now, so valid: reading it needs no I/O (nor a greenlet)
+        raw = connection.connection.driver_connection
+        _ENGINE_CONNECTIONS[raw] = (engine, connection)
         self._conn = raw
         return raw
 
@@ -217,17 +244,27 @@ class _EngineCheckout:
             self._conn = None
 
 
-async def _check_in(raw: Any, sa_conn: AsyncConnection) -> None:
+async def _check_in(raw: Any, connection: Connection) -> None:
     try:
-        if raw.is_closed():
-            # broken while lent (the store saw it fail): the engine must not hand it out again
-            await sa_conn.invalidate()
-        elif raw.is_in_transaction():
+        if not raw.is_closed() and raw.is_in_transaction():
             # The library never leaves a transaction open; if it ever did, SQLAlchemy's reset
             # on check-in would not see it (the adapter did not begin it)
             await raw.execute("ROLLBACK")
     finally:
-        await sa_conn.close()
+        # broken while lent (the store saw it fail): the engine must not hand it out again
+        close = _invalidate_and_close if raw.is_closed() else _close
+        await greenlet_spawn(close, connection)  # one hop: the pool's check-in may do I/O
+
+
+def _close(connection: Connection) -> None:
+    connection.close()
+
+
+def _invalidate_and_close(connection: Connection) -> None:
+    try:
+        connection.invalidate()
+    finally:
+        connection.close()
 
 
 # --- sessions on a connection that is not the engine's: the lent-connection dialect -------------
@@ -276,19 +313,19 @@ def _lender() -> AsyncEngine:
             pool_reset_on_return=None,
             isolation_level="AUTOCOMMIT",
         )
-        _watch_rollbacks(_lent_engine)
     return _lent_engine
 
 
-async def _sa_connection(conn: Any) -> tuple[AsyncConnection, bool]:
-    """The SQLAlchemy connection on ``conn``: its :class:`EnginePool` checkout, or a new one
-    that borrows it (``True``: close it after the unit)."""
-    sa_conn = _ENGINE_CONNECTIONS.get(conn)
-    if sa_conn is not None:
-        return sa_conn, False
+async def _sa_connection(conn: Any) -> tuple[AsyncEngine, _UnitConnection, bool]:
+    """SQLAlchemy's connection on ``conn`` and its engine: the :class:`EnginePool` checkout's,
+    or a new one that borrows ``conn`` (``True``: close it after the unit)."""
+    lent = _ENGINE_CONNECTIONS.get(conn)
+    if lent is not None:
+        return lent[0], lent[1], False
+    engine = _lender()
     token = _lending.set(conn)
     try:
-        return await _lender().connect(), True
+        return engine, await greenlet_spawn(_UnitConnection, engine.sync_engine), True
     finally:
         _lending.reset(token)
 
@@ -310,23 +347,16 @@ class _Binding:
     bound: bool = True
 
 
-_watched: set[int] = set()
-
-
-def _watch_rollbacks(engine: AsyncEngine) -> None:
-    """A rollback of a bound connection's SQLAlchemy transaction (``session.rollback()``, a
-    failed flush, a ``begin()`` block left by an exception) aborts the unit's transaction."""
-    sync_engine = engine.sync_engine
-    if id(sync_engine) in _watched:
-        return
-    _watched.add(id(sync_engine))
-    event.listen(sync_engine, "rollback", _on_rollback)
-
-
 def _on_rollback(connection: Connection) -> None:
     binding = connection.info.get(_BINDING)
     if isinstance(binding, _Binding):
         _abort(binding)
+
+
+if not callable(getattr(Connection, "_rollback_impl", None)):  # pragma: no cover
+    # a SQLAlchemy without the hook: the (slower) documented event, on our connections only
+    del _UnitConnection._rollback_impl
+    event.listen(_UnitConnection, "rollback", _on_rollback)
 
 
 class _BoundSession(Session):
@@ -370,17 +400,20 @@ async def bound_session(conn: asyncpg.Connection) -> AsyncIterator[AsyncSession]
     all. ``session.commit()`` flushes (the library commits); ``session.rollback()`` rolls the
     whole unit back (see the module docstring). Pending changes are flushed when the block
     ends without an exception."""
-    sa_conn, borrowed = await _sa_connection(conn)
-    assert sa_conn.sync_connection is not None
-    binding = _Binding(conn, sa_conn.sync_connection)
+    engine, connection, borrowed = await _sa_connection(conn)
+    binding = _Binding(conn, connection)
     session: AsyncSession | None = None
     try:
         # SQLAlchemy's view of the unit's transaction (the autocommit adapter sends nothing),
-        # which the session joins without the right to commit it
-        await sa_conn.begin()
+        # which the session joins without the right to commit it. Beginning it does no I/O
+        # unless a "begin" listener of the application's might: only then in a greenlet.
+        if connection.dispatch.begin:
+            await greenlet_spawn(connection.begin)
+        else:
+            connection.begin()
         binding.connection.info[_BINDING] = binding
         session = AsyncSession(
-            bind=sa_conn,
+            bind=AsyncConnection(engine, connection),
             join_transaction_mode="rollback_only",
             expire_on_commit=False,
             sync_session_class=_BoundSession,
@@ -396,9 +429,9 @@ async def bound_session(conn: asyncpg.Connection) -> AsyncIterator[AsyncSession]
         if session is not None and binding.bound:
             await session.run_sync(_release, binding)
         elif binding.bound:
-            await sa_conn.rollback()
+            await greenlet_spawn(connection.rollback)
         if borrowed:
-            await sa_conn.close()
+            await greenlet_spawn(_close, connection)
 
 
 def _flush_and_release(session: Session, binding: _Binding) -> None:

@@ -18,15 +18,17 @@ Three rules keep it so:
   and the ticket was taken before the caller read Postgres. So a reader that read the row before
   the evict, however late its fill arrives, in this process or any other, cannot bring the entry
   back. A ticket lives in the caller's task (a context variable), never shared between callers.
-* **A cancelled caller is not an outage.** Each lookup is its own redis-py command: cancelling one
-  caller cancels only its command (redis-py drops that connection), never another caller's, and
-  never opens the breaker, which only errors and timeouts do.
+* **A cancelled caller is not an outage.** Each lookup is its own command on its own connection
+  (see :mod:`~consumer_idem.stores.redis_commands`): cancelling one caller cancels only its
+  command (that connection is dropped), never another caller's, and never opens the breaker,
+  which only errors and timeouts do.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import secrets
@@ -37,6 +39,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol, TypeVar
 
 from consumer_idem.metrics import Metrics
+from consumer_idem.stores.redis_commands import Commands
 from consumer_idem.types import Record, ResultKind, Status, StoredResponse
 
 log = logging.getLogger("consumer_idem.stores.cache")
@@ -86,8 +89,10 @@ class CompletedCache:
     the two keys of a record share a Cluster hash tag. Give it a pooled client: concurrent
     lookups each take a connection. The client stays yours to close.
 
-    Every call is bounded, by the client's ``socket_timeout`` or else by ``timeout`` seconds
-    here: a slow Redis counts as an outage and falls through to Postgres. Keys start with
+    Every call is bounded by ``timeout`` seconds (by the client's ``socket_timeout`` when that
+    is as short, else by a timer of the cache's): a slow Redis counts as an outage and falls
+    through to Postgres. A client made with ``socket_timeout=None`` is the cheapest: redis-py
+    then runs no timer and no task of its own per command. Keys start with
     ``prefix``, then the store's database and schema (read once from Postgres, on first use),
     then scope and key. Entries live for ``min(ttl, the record's remaining retention)``.
 
@@ -110,11 +115,14 @@ class CompletedCache:
         self.breaker_seconds = breaker_seconds
         self.metrics = metrics or Metrics()
         self._open_until = 0.0
-        # the client's own socket timeout already bounds each read: no second timer then
-        pool_options = getattr(getattr(redis, "connection_pool", None), "connection_kwargs", {})
-        self._client_bounded = bool(pool_options.get("socket_timeout"))
+        # the client's own socket timeout, when it is as short, already bounds each call: no
+        # second timer then
+        client_timeout = _socket_timeout(redis)
+        self._client_bounded = client_timeout is not None and 0 < client_timeout <= timeout
         self._fill = redis.register_script(_FILL)
         self._evict = redis.register_script(_EVICT)
+        # lookups and fills, once per unit of work: on the client's connections, directly
+        self._commands = Commands(redis)
         self._store: CachedStore | None = None
         self._space: str | None = None  # database and schema, once read
         self._space_lock = asyncio.Lock()
@@ -195,7 +203,7 @@ class CompletedCache:
             return None
         entry, fence = self._names(space, scope, key)
         try:
-            raw, seen = await self._bounded(self.redis.execute_command("MGET", entry, fence))
+            raw, seen = await self._bounded(self._commands.call("MGET", entry, fence))
         except Exception as exc:  # a cancelled caller raises CancelledError: not an outage
             self._failed("get", exc)
             return None
@@ -241,7 +249,9 @@ class CompletedCache:
         px = int(ttl / timedelta(milliseconds=1))
         value = _encode(space, record)
         try:
-            filled = await self._bounded(self._fill(keys=[entry, fence], args=[seen[1], value, px]))
+            filled = await self._bounded(
+                self._commands.evalsha(self._fill, [entry, fence], (seen[1], value, px))
+            )
         except Exception as exc:
             self._failed("put", exc)
             return
@@ -280,6 +290,26 @@ class CompletedCache:
             await self._bounded(self.redis.delete(*names))
         except Exception as exc:  # a stale entry outlives this only until its TTL
             self._failed("delete", exc)
+
+
+def _socket_timeout(redis: Any) -> float | None:
+    """The socket timeout the client's connections use: the one it was given, else the
+    connection class's default (redis-py 8 gives every connection 5 s unless told otherwise)."""
+    pool: Any = getattr(redis, "connection_pool", None)
+    options = getattr(pool, "connection_kwargs", None) or {}
+    value = options.get("socket_timeout")
+    if "socket_timeout" not in options:
+        # the default is a parameter of a base class's __init__ (a subclass passes **kwargs on)
+        for cls in getattr(getattr(pool, "connection_class", None), "__mro__", ()):
+            init = cls.__dict__.get("__init__")
+            try:
+                param = inspect.signature(init).parameters.get("socket_timeout")
+            except (TypeError, ValueError):
+                continue
+            if param is not None:
+                value = param.default
+                break
+    return float(value) if isinstance(value, int | float) else None
 
 
 def _encode(space: str, record: Record) -> str:

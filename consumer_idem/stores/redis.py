@@ -13,10 +13,8 @@ not close it). Completed and failed records expire by TTL (retention); ``in_prog
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
-import sys
 import time
 import uuid
 from collections import Counter
@@ -27,6 +25,7 @@ from typing import Any, TypeVar
 from consumer_idem.errors import LeaseLost, NotUnknown, StoreUnavailable
 from consumer_idem.metrics import Metrics
 from consumer_idem.stores.base import DEFAULT_LEASE, Retention, StoreBase, seconds
+from consumer_idem.stores.redis_commands import Commands
 from consumer_idem.stores.results import encode_result
 from consumer_idem.types import (
     Decision,
@@ -50,28 +49,31 @@ local function load(k)
   local flat = redis.call('HGETALL', k)
   local h = {}
   for i = 1, #flat, 2 do h[flat[i]] = flat[i + 1] end
-  return h, #flat
+  return h, #flat, flat
 end
 """
 
 _RESERVE = (
     _NOW
     + """
-local fp, tok, lease, retention = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-local function claim()
-  redis.call('DEL', KEYS[1])
+local fp, tok, lease = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local h, n, flat = load(KEYS[1])
+if n == 0 or h.st == 'expired' then
+  -- a new record, without the fields every reader defaults (updated = created, no
+  -- reconciliation attempts; 'att' stays: earlier versions' completion reads it), and no
+  -- DEL when there was no record: each call costs the server, once per first execution
+  if n > 0 then redis.call('DEL', KEYS[1]) end
   redis.call('HSET', KEYS[1], 'fp', fp, 'st', 'in_progress', 'tok', tok, 'lu', now + lease,
-             'att', 1, 'ca', now, 'ua', now, 'rat', 0, 'ret', retention)
-  return {'execute', 0, now}  -- the caller knows every field: no record to send back
+             'att', 1, 'ca', now, 'ret', ARGV[4])
+  return now  -- a fresh claim: the caller knows every other field
 end
-local h, n = load(KEYS[1])
-if n == 0 or h.st == 'expired' then return claim() end
-if h.fp ~= fp then return {'misuse', 0, now, unpack(redis.call('HGETALL', KEYS[1]))} end
-if h.st == 'completed' then return {'replay', 0, now, unpack(redis.call('HGETALL', KEYS[1]))} end
-if h.st == 'unknown' then return {'unknown', 0, now, unpack(redis.call('HGETALL', KEYS[1]))} end
+-- a record left as it was is sent back as read (no second HGETALL)
+if h.fp ~= fp then return {'misuse', 0, now, unpack(flat)} end
+if h.st == 'completed' then return {'replay', 0, now, unpack(flat)} end
+if h.st == 'unknown' then return {'unknown', 0, now, unpack(flat)} end
 if h.st == 'failed_retryable' then
   redis.call('HSET', KEYS[1], 'st', 'in_progress', 'tok', tok, 'lu', now + lease,
-             'att', tonumber(h.att) + 1, 'ua', now)
+             'att', (tonumber(h.att) or 1) + 1, 'ua', now)
   redis.call('PERSIST', KEYS[1])
   return {'execute', 0, now, unpack(redis.call('HGETALL', KEYS[1]))}
 end
@@ -81,7 +83,7 @@ if tonumber(h.lu) < now then
   redis.call('HDEL', KEYS[1], 'tok', 'lu', 'rp')
   return {'unknown', 1, now, unpack(redis.call('HGETALL', KEYS[1]))}
 end
-return {'in_progress', 0, now, unpack(redis.call('HGETALL', KEYS[1]))}
+return {'in_progress', 0, now, unpack(flat)}
 """
 )
 
@@ -113,21 +115,34 @@ return {now, unpack(redis.call('HGETALL', KEYS[1]))}
 # Completion by the owner. ARGV: token, result JSON ('' for none), result kind, ttl ms, then,
 # only with a stored HTTP response, its status, headers and body. Answers the server time and
 # the fields the caller does not know (fingerprint, attempts, created at, the reconciliation
-# bookkeeping), or false: not the owner.
+# bookkeeping), or false: not the owner. One HSET and one HDEL per case: each call costs the
+# server, and this runs once per first execution.
 _COMPLETE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local v = redis.call('HMGET', KEYS[1], 'st', 'tok', 'fp', 'att', 'ca', 'rat', 'rp')
 if v[1] ~= 'in_progress' or v[2] ~= ARGV[1] then return false end
-redis.call('HSET', KEYS[1], 'st', 'completed', 'ua', now, 'co', now, 'rk', ARGV[3],
-           'ret', ARGV[4])
-redis.call('HDEL', KEYS[1], 'tok', 'lu', 'err')
-if ARGV[2] == '' then redis.call('HDEL', KEYS[1], 'res')
-else redis.call('HSET', KEYS[1], 'res', ARGV[2]) end
-if #ARGV < 5 then redis.call('HDEL', KEYS[1], 'hs', 'hh', 'hb')
-else redis.call('HSET', KEYS[1], 'hs', ARGV[5], 'hh', ARGV[6], 'hb', ARGV[7]) end
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[4]))
-return {now, v[3], v[4], v[5], v[6] or 0, v[7] or ''}
+if #ARGV < 5 then
+  if ARGV[2] == '' then
+    redis.call('HSET', KEYS[1], 'st', 'completed', 'ua', now, 'co', now, 'rk', ARGV[3],
+               'ret', ARGV[4])
+    redis.call('HDEL', KEYS[1], 'tok', 'lu', 'err', 'res', 'hs', 'hh', 'hb')
+  else
+    redis.call('HSET', KEYS[1], 'st', 'completed', 'ua', now, 'co', now, 'rk', ARGV[3],
+               'ret', ARGV[4], 'res', ARGV[2])
+    redis.call('HDEL', KEYS[1], 'tok', 'lu', 'err', 'hs', 'hh', 'hb')
+  end
+elseif ARGV[2] == '' then
+  redis.call('HSET', KEYS[1], 'st', 'completed', 'ua', now, 'co', now, 'rk', ARGV[3],
+             'ret', ARGV[4], 'hs', ARGV[5], 'hh', ARGV[6], 'hb', ARGV[7])
+  redis.call('HDEL', KEYS[1], 'tok', 'lu', 'err', 'res')
+else
+  redis.call('HSET', KEYS[1], 'st', 'completed', 'ua', now, 'co', now, 'rk', ARGV[3],
+             'ret', ARGV[4], 'res', ARGV[2], 'hs', ARGV[5], 'hh', ARGV[6], 'hb', ARGV[7])
+  redis.call('HDEL', KEYS[1], 'tok', 'lu', 'err')
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return {now, v[3], v[4] or 1, v[5], v[6] or 0, v[7] or ''}
 """
 
 # ARGV: new status ('completed' | 'failed_retryable'), ttl ms, then field/value pairs.
@@ -206,6 +221,15 @@ def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _at(ms: Any) -> datetime:
+    """A server time in ms (an integer reply, or its digits as bytes or str) as a datetime."""
+    return datetime.fromtimestamp(int(ms) / 1000, UTC)
+
+
+def _whole_ms(duration: timedelta) -> int:
+    return int(duration.total_seconds() * 1000)
+
+
 def _response_fields(response: StoredResponse | None) -> list[str]:
     if response is None:
         return ["hs", "", "hh", "", "hb", ""]
@@ -217,26 +241,6 @@ def _response_fields(response: StoredResponse | None) -> list[str]:
         "hb",
         response.body.hex(),
     ]
-
-
-#: connections a store keeps between calls, at most: its peak of concurrent calls, usually
-MAX_IDLE = 16
-
-
-async def _send(conn: Any, packed: list[bytes]) -> None:
-    """Send a packed command on a redis-py asyncio connection. Before Python 3.12, its
-    ``send_packed_command`` puts the write under ``asyncio.wait_for``, which creates a task per
-    command: a third of a command's cost. Writing a command of a few hundred bytes only fills
-    the socket's buffer, it does not wait for the server, and the reply is read under the
-    connection's timeout; so a connected connection is written directly (its
-    ``_send_packed_command``, there since redis-py 4.2)."""
-    if _DIRECT_WRITE and conn.is_connected:
-        await conn._send_packed_command(packed)
-    else:
-        await conn.send_packed_command(packed, check_health=False)
-
-
-_DIRECT_WRITE = sys.version_info < (3, 12)
 
 
 class RedisStore(StoreBase):
@@ -257,19 +261,8 @@ class RedisStore(StoreBase):
         )
         self.redis = redis
         self.prefix = prefix
-        # reserve and complete send their command on connections the store keeps: see _eval
-        pool = getattr(redis, "connection_pool", None)
-        self._pool: Any = pool if hasattr(pool, "get_connection") else None
-        self._idle: list[Any] = []
-        # redis-py before 6.0 wants a command name here (later ones warn when given one)
-        self._get_args: tuple[str, ...] = ()
-        if self._pool is not None:
-            wanted = inspect.signature(self._pool.get_connection).parameters.get("command_name")
-            if wanted is not None and wanted.default is inspect.Parameter.empty:
-                self._get_args = ("EVALSHA",)
-        from redis.exceptions import NoScriptError
-
-        self._no_script = NoScriptError
+        # reserve and complete go to the server directly: see redis_commands
+        self._commands = Commands(redis)
         self._reserve = redis.register_script(_RESERVE)
         self._owner = redis.register_script(_OWNER)
         self._complete = redis.register_script(_COMPLETE)
@@ -281,36 +274,14 @@ class RedisStore(StoreBase):
         # \x1f cannot occur in a scope or key (key hygiene rejects control characters)
         return f"{self.prefix}{scope}\x1f{key}"
 
-    async def _eval(self, script: Any, key: str, args: list[Any]) -> Any:
-        """EVALSHA of a registered ``script`` on ``key``: one command, one round trip.
-
-        Through redis-py, on a connection of the client's pool that the store keeps for its
-        next call (up to :data:`MAX_IDLE` of them): the client's own way, per command, takes a
-        connection from the pool and gives it back and goes through its retry and
-        observability layers, which together cost more than the round trip itself, twice per
-        first execution. A connection that failed or was interrupted goes back to the pool,
-        disconnected. A client without such a pool (a cluster) takes its own way."""
-        if self._pool is None:
-            return await script(keys=[key], args=args)
-        conn = self._idle.pop() if self._idle else await self._pool.get_connection(*self._get_args)
-        try:
-            try:
-                await _send(conn, conn.pack_command("EVALSHA", script.sha, 1, key, *args))
-                reply = await conn.read_response()
-            except self._no_script:  # the server lost its scripts (a restart, SCRIPT FLUSH)
-                await _send(conn, conn.pack_command("EVAL", script.script, 1, key, *args))
-                reply = await conn.read_response()
-        except BaseException:
-            try:
-                await conn.disconnect(nowait=True)  # a reply may still be on its way
-            finally:
-                await self._pool.release(conn)
-            raise
-        if len(self._idle) < MAX_IDLE:
-            self._idle.append(conn)
-        else:
-            await self._pool.release(conn)
-        return reply
+    async def _eval(
+        self, operation: str, scope: str, script: Any, key: str, args: tuple[Any, ...]
+    ) -> Any:
+        """``script`` on ``key``: one command, one round trip (see
+        :mod:`~consumer_idem.stores.redis_commands`), through :meth:`_run`."""
+        return await self._run(
+            operation, scope, lambda: self._commands.evalsha(script, [key], args)
+        )
 
     async def _run(self, operation: str, scope: str, call: Callable[[], Awaitable[T]]) -> T:
         started = time.perf_counter()
@@ -341,44 +312,46 @@ class RedisStore(StoreBase):
         if conn is not None:
             raise TypeError("the Redis store cannot join a database transaction")
         scope, key = self.check(scope, key)
-        lease_ms = int((self.lease if lease is None else seconds(lease)).total_seconds() * 1000)
-        ret_ms = int(self.retention_for(scope, retention).total_seconds() * 1000)
+        lease_ms = _whole_ms(self.lease if lease is None else seconds(lease))
+        ret_ms = _whole_ms(self.retention_for(scope, retention))
         owner = uuid.uuid4()
-        token = str(owner)
-        out = await self._run(
+        out = await self._eval(
             "reserve",
             scope,
-            lambda: self._eval(
-                self._reserve, self._key(scope, key), [fingerprint, token, lease_ms, ret_ms]
-            ),
+            self._reserve,
+            self._key(scope, key),
+            (fingerprint, str(owner), lease_ms, ret_ms),
         )
-        kind = DecisionKind(_s(out[0]))
-        if len(out) == 3:  # a fresh claim: the script sent only the server time
-            now = _ms(_s(out[2]))
-            assert now is not None
-            record = Record(
-                scope=scope,
-                key=key,
-                fingerprint=fingerprint,
-                status=Status.IN_PROGRESS,
-                owner_token=owner,
-                locked_until=now + timedelta(milliseconds=lease_ms),
-                attempts=1,
-                result_json=None,
-                result_kind=None,
-                response=None,
-                last_error=None,
-                reconcile_after=None,
-                reconcile_attempts=0,
-                reconcile_published_at=None,
-                created_at=now,
-                updated_at=now,
-                completed_at=None,
-                expires_at=now + timedelta(milliseconds=ret_ms),
+        if type(out) is int:  # a fresh claim: the server time alone came back
+            now = out
+            created = _at(now)
+            decision = Decision(
+                DecisionKind.EXECUTE,
+                Record(
+                    scope=scope,
+                    key=key,
+                    fingerprint=fingerprint,
+                    status=Status.IN_PROGRESS,
+                    owner_token=owner,
+                    locked_until=_at(now + lease_ms),
+                    attempts=1,
+                    result_json=None,
+                    result_kind=None,
+                    response=None,
+                    last_error=None,
+                    reconcile_after=None,
+                    reconcile_attempts=0,
+                    reconcile_published_at=None,
+                    created_at=created,
+                    updated_at=created,
+                    completed_at=None,
+                    expires_at=_at(now + ret_ms),
+                ),
+                False,
             )
         else:
-            record = _record(scope, key, out[3:])
-        decision = Decision(kind, record, bool(int(out[1])))
+            kind = DecisionKind(_s(out[0]))
+            decision = Decision(kind, _record(scope, key, out[3:]), bool(int(out[1])))
         self.count_decision(decision, scope)
         return decision
 
@@ -415,27 +388,22 @@ class RedisStore(StoreBase):
     ) -> Record:
         if conn is not None:
             raise TypeError("the Redis store cannot join a database transaction")
-        ret_ms = int(self.retention_for(scope, retention).total_seconds() * 1000)
+        ret_ms = _whole_ms(self.retention_for(scope, retention))
         encoded = encode_result(result)
-        args = [str(token), encoded or "", result_kind.value, ret_ms]
+        args: tuple[Any, ...] = (str(token), encoded or "", result_kind.value, ret_ms)
         if response is not None:
-            args += _response_fields(response)[1::2]
-        out = await self._run(
-            "complete",
-            scope,
-            lambda: self._eval(self._complete, self._key(scope, key), args),
-        )
+            args += tuple(_response_fields(response)[1::2])
+        out = await self._eval("complete", scope, self._complete, self._key(scope, key), args)
         if not out:
             self.metrics.inc("lease_lost", scope)
             raise LeaseLost(f"complete: ({scope!r}, {key!r}) is no longer held by this owner")
         # the script answers what only the record knows; the rest is what was just written
-        now, fingerprint, attempts, created, reconciled, published = (_s(v) for v in out)
-        done = _ms(now)
-        assert done is not None
+        now, fingerprint, attempts, created, reconciled, published = out
+        done = _at(now)
         return Record(
             scope=scope,
             key=key,
-            fingerprint=fingerprint,
+            fingerprint=_s(fingerprint),
             status=Status.COMPLETED,
             owner_token=None,
             locked_until=None,
@@ -446,11 +414,11 @@ class RedisStore(StoreBase):
             last_error=None,
             reconcile_after=None,
             reconcile_attempts=int(reconciled or 0),
-            reconcile_published_at=_ms(published),
-            created_at=_ms(created) or done,
+            reconcile_published_at=_at(published) if published else None,
+            created_at=_at(created) if created else done,
             updated_at=done,
             completed_at=done,
-            expires_at=done + timedelta(milliseconds=ret_ms),
+            expires_at=_at(int(now) + ret_ms),
         )
 
     async def fail_retryable(

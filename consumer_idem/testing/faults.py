@@ -64,8 +64,9 @@ _PLUMBING = (
 )
 
 #: the library's own COMMIT of a transactional unit: it checks the transaction's mark first
-#: (``consumer_idem.commit.check_sql``); a handler's own bare ``COMMIT`` does not
-LIBRARY_COMMIT = r"consumer_idem\.tx"
+#: (``consumer_idem.commit.check_sql``, or its prepared form); a handler's own bare ``COMMIT``
+#: does not
+LIBRARY_COMMIT = r"consumer_idem\.tx|EXECUTE consumer_idem_check_"
 
 
 def point_of(sql: str) -> Point | None:

@@ -22,7 +22,7 @@ REDIS_URL = os.environ.get("CONSUMER_IDEM_REDIS_URL", "redis://127.0.0.1:6379/0"
 async def main() -> None:
     pool = await asyncpg.create_pool(DSN)
     # --8<-- [start:cache]
-    redis = aioredis.from_url(REDIS_URL, socket_timeout=0.25, socket_connect_timeout=0.25)
+    redis = aioredis.from_url(REDIS_URL, socket_timeout=None, socket_connect_timeout=0.25)
     store = PostgresStore(pool, cache=CompletedCache(redis, ttl=3600))  # the client stays yours
     # --8<-- [end:cache]
     await store.migrate()

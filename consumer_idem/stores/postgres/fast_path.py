@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
-from consumer_idem.commit import check_sql, commit, execute_and_commit, mark_sql
+from consumer_idem.commit import (
+    commit,
+    execute_and_commit,
+    mark_sql,
+    prepare_check_sql,
+    run_check_sql,
+)
 from consumer_idem.errors import KeyInFlight
 from consumer_idem.stores.results import encode_result
 from consumer_idem.types import Record, ResultKind, Status, StoredResponse
@@ -51,6 +57,7 @@ class FastPath:
         #: per scope: batches left that claim with ON CONFLICT straight away (after a conflict)
         self._plain_claims_skipped: dict[str, int] = {}
         self._result_stmt = f"consumer_idem_result_{store.schema}"
+        self._check_stmt = f"consumer_idem_check_{store.schema}"
 
     def _fast_path_statements(self) -> dict[str, str]:
         # Server-side prepared statements: the fast path sends simple-protocol queries (to batch
@@ -66,7 +73,13 @@ class FastPath:
                 f"PREPARE {self._result_stmt}(text, text, text) AS"
                 f" UPDATE {self.store.table} SET result = $3::json WHERE scope = $1 AND key = $2"
             ),
+            self._check_stmt: prepare_check_sql(self._check_stmt),
         }
+
+    def check(self, mark: str) -> str:
+        """The transaction check (:func:`~consumer_idem.commit.check_sql`) for a connection
+        that claimed with :meth:`begin_and_claim`, which prepared it there."""
+        return run_check_sql(self._check_stmt, mark)
 
     async def _prepare_fast_path(self, conn: asyncpg.Connection) -> None:
         statements = self._fast_path_statements()
@@ -167,7 +180,7 @@ class FastPath:
         and COMMIT, in one round trip, checking the commit's tag: raises
         :class:`~consumer_idem.errors.CommitRolledBack` when the transaction had been aborted.
         Other errors propagate as raised (the caller classifies them)."""
-        statements = [] if mark is None else [check_sql(mark)]
+        statements = [] if mark is None else [self.check(mark)]
         where = f" WHERE scope = {dollar_quote(scope)} AND key = {dollar_quote(key)}"
         if response is not None:
             # literals, not parameters: a simple query can carry the COMMIT in the same round
