@@ -192,6 +192,15 @@ async def _commit(store: PostgresStore, conn: Any, scope: str, commit: Awaitable
         raise store.error_for("commit", exc, scope) from exc
 
 
+def _statement_gone(exc: BaseException | None) -> bool:
+    """Did ``exc`` come from a prepared statement of the fast path that no longer exists?"""
+    while exc is not None:
+        if isinstance(exc, asyncpg.InvalidSQLStatementNameError):
+            return True
+        exc = exc.__cause__
+    return False
+
+
 def _closed(conn: Any) -> bool:
     """The claim's connection is gone (an OSError then came from it, not from the work's own
     calls elsewhere, such as an HTTP request to another service)."""
@@ -360,7 +369,13 @@ class TransactionalClaim:
             ended.__cause__ = lost
             return await self.fail(ended, _our_commit=True)
         except _Refused as refused:
-            claim = await self._claim_committed_by_work() if mark_lost(refused) else None
+            # the check did not run when a prepared statement had gone (a handler's DEALLOCATE):
+            # as unsure as a lost mark, whether the work committed our claim
+            gone = _statement_gone(refused)
+            unsure = mark_lost(refused) or gone
+            claim = await self._claim_committed_by_work() if unsure else None
+            if gone:
+                await store.fast_path.heal(conn)
             if claim is not None:
                 # COMMIT; BEGIN in the work: our claim (and what the work wrote before) is
                 # durable, the rest is rolled back here. Not a failure to retry: never again.

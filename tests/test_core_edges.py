@@ -31,6 +31,7 @@ from consumer_idem import (
     Status,
     fingerprint_json,
     idempotent_consumer,
+    run_transactional,
     run_two_phase,
 )
 from consumer_idem.commit import savepoint
@@ -382,6 +383,44 @@ async def test_a_handler_that_ends_the_transaction_itself_never_runs_twice(
         assert record.status is Status.COMPLETED
     if ends_with == "COMMIT; BEGIN":  # what it wrote in the transaction it began is gone
         assert await rows(pg_pool, scope) == {}
+
+
+@pytest.mark.parametrize("then", ["", "COMMIT; BEGIN"], ids=["plain", "handler_commits"])
+async def test_a_connection_that_lost_the_commit_check_heals_and_never_misreports(
+    store: PostgresStore, pg_pool: asyncpg.Pool, ledger: str, scope: str, then: str
+) -> None:
+    """The COMMIT's transaction check is a statement prepared on the connection with the claim.
+    Gone (a handler deallocated it), the unit's COMMIT is refused: nothing of it committed
+    unless the work committed it itself, which is then found and reported as such (not as a
+    failure to retry). The connection prepares it again: the next unit goes through."""
+
+    def work(key: str, sql: str = "") -> Any:
+        async def write(conn: asyncpg.Connection) -> None:
+            await conn.execute("INSERT INTO edge_ledger VALUES ($1, $2, 1)", scope, key)
+            if sql:
+                await conn.execute(sql)
+
+        return write
+
+    async with pg_pool.acquire() as conn:
+        first = await run_transactional(store, scope, "k0", FP, work("k0"), conn=conn)
+        assert first.kind is OutcomeKind.EXECUTED  # the statements are prepared on conn now
+        await conn.execute(f"DEALLOCATE consumer_idem_check_{store.schema}")
+        lost = await run_transactional(store, scope, "k1", FP, work("k1", then), conn=conn)
+        record = await store.get(scope, "k1")
+        if then:  # the work's COMMIT committed its write and our completed claim
+            assert lost.kind is OutcomeKind.REPLAYED
+            assert record is not None and record.status is Status.COMPLETED
+            assert await rows(pg_pool, scope) == {"k0": 1, "k1": 1}
+        else:
+            assert lost.kind is OutcomeKind.FAILED_RETRYABLE
+            assert record is not None and record.status is Status.FAILED_RETRYABLE
+            assert await rows(pg_pool, scope) == {"k0": 1}
+        healed = await run_transactional(store, scope, "k2", FP, work("k2"), conn=conn)
+        assert healed.kind is OutcomeKind.EXECUTED
+        retried = await run_transactional(store, scope, "k1", FP, work("k1"), conn=conn)
+        assert retried.kind is (OutcomeKind.REPLAYED if then else OutcomeKind.EXECUTED)
+        assert await rows(pg_pool, scope) == {"k0": 1, "k1": 1, "k2": 1}
 
 
 async def test_a_handler_that_commits_a_reacquired_claim_parks_it_at_once(

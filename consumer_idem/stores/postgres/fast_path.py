@@ -8,6 +8,7 @@ commit, and a rollback takes it away. Batch mode claims and completes many keys 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,9 @@ def dollar_quote(text: str) -> str:
     return f"${tag}${text}${tag}$"
 
 
+log = logging.getLogger("consumer_idem.stores.postgres.fast_path")
+
+
 class FastPath:
     """The store's transactional fast path (``store.fast_path``), used by the claim engine and
     batch mode. Methods run on the caller's connection, inside the caller's transaction."""
@@ -82,6 +86,9 @@ class FastPath:
         return run_check_sql(self._check_stmt, mark)
 
     async def _prepare_fast_path(self, conn: asyncpg.Connection) -> None:
+        """Prepare those of the fast path's statements ``conn`` lacks, in one query (outside a
+        transaction). A connection can lack some only: the check when a handler deallocated
+        it, which :meth:`heal` repairs."""
         statements = self._fast_path_statements()
         existing = {
             r["name"]
@@ -90,9 +97,20 @@ class FastPath:
                 list(statements),
             )
         }
-        for name, sql in statements.items():
-            if name not in existing:
-                await conn.execute(sql)
+        missing = [sql for name, sql in statements.items() if name not in existing]
+        if missing:
+            await conn.execute("; ".join(missing))
+
+    async def heal(self, conn: asyncpg.Connection) -> None:
+        """After a completion that met a missing prepared statement (rolled back by now): put
+        the statements back, or the connection would fail every later unit (the claim only
+        prepares them when the claim statement itself is missing). A failure here is left to
+        the next unit on the connection, which then fails the same way, and is only logged."""
+        try:
+            if not conn.is_closed() and not conn.is_in_transaction():
+                await self._prepare_fast_path(conn)
+        except Exception:
+            log.warning("preparing the fast path's statements again failed", exc_info=True)
 
     async def begin_and_claim(
         self,
