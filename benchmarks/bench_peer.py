@@ -94,7 +94,7 @@ def theirs(handle: Callable[..., Any], ids: list[str], concurrency: int) -> floa
     return per * concurrency / (time.perf_counter() - started)
 
 
-async def run(per_chunk: int = 1000, chunks: int = 8) -> list[dict[str, Any]]:
+async def run(per_chunk: int = 1000, chunks: int = 12) -> list[dict[str, Any]]:
     url = load_settings().redis_url
     prefix = f"bench-peer-{uuid.uuid4().hex[:8]}"
     handle = powertools_handler(url, prefix)
