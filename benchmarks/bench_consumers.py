@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +36,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from benchmarks import kafka_scale
-from benchmarks.common import entry, scratch_database
+from benchmarks.common import Clock, entry, scratch_database, until
 from consumer_idem import PostgresStore, header, idempotent_consumer
 from consumer_idem.cli.settings import load_settings
 from consumer_idem.transports.kafka import KafkaRunner, to_message
@@ -54,34 +53,6 @@ P8 = 8_000
 #: FastStream, per message, a Kafka commit each (~6 ms on this broker; per run, three runs
 #: each side)
 FS_COUNT = 1_000
-
-
-class Clock:
-    """First-to-last settled message."""
-
-    def __init__(self) -> None:
-        self.first: float | None = None
-        self.last = 0.0
-        self.count = 0
-
-    def tick(self, n: int = 1) -> None:
-        now = time.perf_counter()
-        if self.first is None:
-            self.first = now
-        self.last = now
-        self.count += n
-
-    def rate(self) -> float:
-        assert self.first is not None
-        return (self.count - 1) / max(self.last - self.first, 1e-9)
-
-
-async def until(done: Callable[[], bool], budget: float = 600) -> None:
-    deadline = time.monotonic() + budget
-    while not done():
-        if time.monotonic() > deadline:
-            raise TimeoutError("benchmark run did not finish")
-        await asyncio.sleep(0.005)
 
 
 async def plain_kafka(pool: asyncpg.Pool, topic: str) -> float:

@@ -28,7 +28,7 @@ import aio_pika
 import asyncpg
 from aio_pika.abc import AbstractIncomingMessage
 
-from benchmarks.common import entry, interleaved, rate, scratch_database
+from benchmarks.common import Clock, entry, interleaved, rate, scratch_database, until
 from consumer_idem import PostgresStore, header, idempotent_consumer
 from consumer_idem.cli.settings import load_settings
 from consumer_idem.transports.rabbit import RabbitRunner
@@ -40,34 +40,6 @@ N = 20_000
 BATCH = 100
 WAIT = 0.05
 PREFETCH = 4 * BATCH
-
-
-class Clock:
-    """First-to-last settled message."""
-
-    def __init__(self) -> None:
-        self.first: float | None = None
-        self.last = 0.0
-        self.count = 0
-
-    def tick(self, n: int = 1) -> None:
-        now = time.perf_counter()
-        if self.first is None:
-            self.first = now
-        self.last = now
-        self.count += n
-
-    def rate(self) -> float:
-        assert self.first is not None
-        return (self.count - 1) / max(self.last - self.first, 1e-9)
-
-
-async def until(done: Any, budget: float = 300) -> None:
-    deadline = time.monotonic() + budget
-    while not done():
-        if time.monotonic() > deadline:
-            raise TimeoutError("benchmark run did not finish")
-        await asyncio.sleep(0.005)
 
 
 # --- RabbitMQ batch mode -------------------------------------------------------------------------

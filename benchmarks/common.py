@@ -93,3 +93,34 @@ def append_results(entries: list[dict[str, Any]]) -> None:
         print(
             f"{e['name']:<52} {e['value']:>10.1f} {e['unit']:<10} baseline {e['baseline']}{ratio}"
         )
+
+
+class Clock:
+    """First-to-last settled message of a consumer run."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.last = 0.0
+        self.count = 0
+
+    def tick(self, n: int = 1) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        self.last = now
+        self.count += n
+
+    def rate(self) -> float:
+        assert self.first is not None
+        return (self.count - 1) / max(self.last - self.first, 1e-9)
+
+
+async def until(done: Callable[[], bool], budget: float = 600) -> None:
+    """Wait until ``done()`` (polled every 5 ms), at most ``budget`` seconds."""
+    import asyncio
+
+    deadline = time.monotonic() + budget
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError("benchmark run did not finish")
+        await asyncio.sleep(0.005)

@@ -51,6 +51,7 @@ import asyncpg
 from consumer_idem import tracing
 from consumer_idem.commit import (
     Rider,
+    check_gone,
     commit,
     execute_and_commit,
     mark_lost,
@@ -190,15 +191,6 @@ async def _commit(store: PostgresStore, conn: Any, scope: str, commit: Awaitable
         # The commit may or may not have reached the server; both outcomes are atomic
         # (row and effect together), so the redelivery settles it: replay or execute.
         raise store.error_for("commit", exc, scope) from exc
-
-
-def _statement_gone(exc: BaseException | None) -> bool:
-    """Did ``exc`` come from a prepared statement of the fast path that no longer exists?"""
-    while exc is not None:
-        if isinstance(exc, asyncpg.InvalidSQLStatementNameError):
-            return True
-        exc = exc.__cause__
-    return False
 
 
 def _closed(conn: Any) -> bool:
@@ -371,7 +363,7 @@ class TransactionalClaim:
         except _Refused as refused:
             # the check did not run when a prepared statement had gone (a handler's DEALLOCATE):
             # as unsure as a lost mark, whether the work committed our claim
-            gone = _statement_gone(refused)
+            gone = check_gone(refused)
             unsure = mark_lost(refused) or gone
             claim = await self._claim_committed_by_work() if unsure else None
             if gone:

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
+
+import asyncpg
 
 from consumer_idem.errors import CommitRolledBack
 
@@ -114,11 +116,19 @@ def run_check_sql(name: str, mark: str) -> str:
 
 def mark_lost(exc: BaseException | None) -> bool:
     """Did ``exc`` (or an error it was raised from) come from a failed :func:`check_sql`?"""
+    return any(MARK_LOST in str(e) for e in _causes(exc))
+
+
+def check_gone(exc: BaseException | None) -> bool:
+    """Did ``exc`` (or an error it was raised from) come from a prepared check (or another
+    prepared statement) that no longer exists on the connection, so that the check never ran?"""
+    return any(isinstance(e, asyncpg.InvalidSQLStatementNameError) for e in _causes(exc))
+
+
+def _causes(exc: BaseException | None) -> Iterator[BaseException]:
     while exc is not None:
-        if MARK_LOST in str(exc):
-            return True
+        yield exc
         exc = exc.__cause__
-    return False
 
 
 @asynccontextmanager

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import rfc8785
@@ -49,28 +49,6 @@ _SAFE_INT = 2**53 - 1
 _PLAIN_ENCODER = json.JSONEncoder(
     ensure_ascii=False, separators=(",", ":"), sort_keys=True, allow_nan=False
 )
-
-
-def _c_plain_encoder() -> Callable[[Any], str] | None:
-    """The C encoder ``_PLAIN_ENCODER.encode`` builds on every call, built once: a third of a
-    small payload's fingerprint. No circular-reference markers: :func:`_plain` admits no
-    cycle (it gives up past :data:`MAX_DEPTH`). ``None`` where the C encoder is missing or
-    does not answer as the standard one does."""
-    make = getattr(json.encoder, "c_make_encoder", None)
-    basestring = getattr(json.encoder, "c_encode_basestring", None)
-    if make is None or basestring is None:
-        return None
-    try:
-        encode = make(None, None, basestring, None, ":", ",", True, False, False)
-        sample = {"b": [1, "\u00e9\n", None, True], "a": {"c": -(2**53 - 1)}}
-        if "".join(encode(sample, 0)) != _PLAIN_ENCODER.encode(sample):
-            return None
-    except Exception:  # another interpreter's private API: keep the public one
-        return None
-    return lambda value: "".join(encode(value, 0))
-
-
-_encode_plain = _c_plain_encoder() or _PLAIN_ENCODER.encode
 
 
 def _plain(value: Any) -> bool:
@@ -129,7 +107,7 @@ def canonical_json(value: Any) -> bytes:
     if _plain(value):
         # the common case, in C (the pure-Python serialiser was a third of a batch's CPU)
         try:
-            return _encode_plain(value).encode("utf-8")
+            return _PLAIN_ENCODER.encode(value).encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate: rfc8785 reports it
             pass
     if isinstance(value, Mapping | list | tuple) and _nested_deeper_than(value, MAX_DEPTH):

@@ -88,16 +88,14 @@ async def test_a_retry_after_failed_retryable_counts_attempts(
     ],
 )
 def test_hiredis_packs_as_the_connection_would(args: tuple[object, ...]) -> None:
-    if redis_commands._hiredis_pack is None:
-        pytest.skip("hiredis is not installed")
+    assert redis_commands._hiredis_pack is not None, "hiredis comes with the redis extra"
     conn = aioredis.Connection()
     command = (b"EVALSHA", "f" * 40, 1, *args)
     assert redis_commands._hiredis_pack(command) == b"".join(conn.pack_command(*command))
 
 
 async def test_a_client_with_another_encoding_packs_with_redis_py(settings: Settings) -> None:
-    if redis_commands._hiredis_pack is None:
-        pytest.skip("hiredis is not installed")
+    assert redis_commands._hiredis_pack is not None, "hiredis comes with the redis extra"
     client = aioredis.from_url(settings.redis_url, encoding="latin-1")
     try:
         assert Commands(client)._pack is None

@@ -180,10 +180,9 @@ return 1
 )
 
 
-def _ms(value: str | None) -> datetime | None:
-    if value is None or value == "":
-        return None
-    return datetime.fromtimestamp(int(value) / 1000, UTC)
+def _ms(value: Any) -> datetime | None:
+    """:func:`_at`, or None for a field the record does not have."""
+    return _at(value) if value not in (None, "", b"") else None
 
 
 def _record(scope: str, key: str, flat: list[Any]) -> Record:
@@ -414,8 +413,8 @@ class RedisStore(StoreBase):
             last_error=None,
             reconcile_after=None,
             reconcile_attempts=int(reconciled or 0),
-            reconcile_published_at=_at(published) if published else None,
-            created_at=_at(created) if created else done,
+            reconcile_published_at=_ms(published),
+            created_at=_ms(created) or done,
             updated_at=done,
             completed_at=done,
             expires_at=_at(int(now) + ret_ms),

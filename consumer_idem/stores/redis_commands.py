@@ -41,7 +41,7 @@ except ImportError:  # the redis extra brings hiredis; without it, redis-py pack
 _DIRECT_WRITE = sys.version_info < (3, 12)
 
 
-async def send(conn: Any, packed: list[bytes]) -> None:
+async def _send(conn: Any, packed: list[bytes]) -> None:
     """Send a packed command on a redis-py asyncio connection (see :data:`_DIRECT_WRITE`)."""
     if _DIRECT_WRITE and conn.is_connected:
         await conn._send_packed_command(packed)
@@ -84,7 +84,7 @@ class Commands:
         conn = idle.pop() if idle else await self._pool.get_connection(*self._get_args)
         try:
             packed = [self._pack(args)] if self._pack is not None else conn.pack_command(*args)
-            await send(conn, packed)
+            await _send(conn, packed)
             reply = await conn.read_response()
         except self._error_reply:
             await self._keep(conn)  # a whole error reply was read: the connection is in step
