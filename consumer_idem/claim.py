@@ -281,15 +281,23 @@ class TransactionalClaim:
     async def __aenter__(self) -> TransactionalClaim:
         store, conn = self.store, self.conn
         try:
-            claimed = await store.fast_path.begin_and_claim(
-                conn,
-                self.scope,
-                self.key,
-                self.fingerprint,
-                self.retention,
-                self.lock_timeout_ms,
-                mark=self.mark,
-            )
+            ahead = None
+            if self.lock_timeout_ms is None:  # begun with the previous unit's COMMIT?
+                ahead = await store.fast_path.take_ahead(
+                    conn, self.scope, self.key, self.fingerprint, self.retention
+                )
+            if ahead is not None:
+                self.mark, claimed = ahead.mark, ahead.claimed
+            else:
+                claimed = await store.fast_path.begin_and_claim(
+                    conn,
+                    self.scope,
+                    self.key,
+                    self.fingerprint,
+                    self.retention,
+                    self.lock_timeout_ms,
+                    mark=self.mark,
+                )
             if not claimed:
                 decision = await store.reserve(
                     self.scope, self.key, self.fingerprint, retention=self.retention, conn=conn
@@ -344,7 +352,14 @@ class TransactionalClaim:
             then = "; ".join(s for s in (insert, notify, rider) if s)
             if self.token is None:
                 finish = store.fast_path.finish_claimed(
-                    conn, scope, key, encoded=encoded, response=response, then=then, mark=self.mark
+                    conn,
+                    scope,
+                    key,
+                    encoded=encoded,
+                    response=response,
+                    then=then,
+                    mark=self.mark,
+                    fingerprint=self.fingerprint,
                 )
                 await _commit(store, conn, scope, finish)
             else:

@@ -54,6 +54,7 @@ from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import encode_notice
 from consumer_idem.options import ConsumerArgs, ConsumerOptions, Mode
 from consumer_idem.outbox import backpressure, close_units, committed, open_batch, pending
+from consumer_idem.stores.postgres.fast_path import Ahead
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.stores.results import encode_result
 from consumer_idem.types import DecisionKind, Outcome, OutcomeKind, ResultKind
@@ -488,20 +489,42 @@ class IdempotentConsumer:
                 if verdicts[-1].action is Action.RETRY:
                     break
             return verdicts
+        fast_path = self.store.fast_path
         try:
             # one connection for the run: a pooled acquire/release per message costs a round trip
             async with self.store.connection() as conn:
                 clean = hook is not None  # every delivery so far is settled by its commit
-                for message in messages:
-                    rider = _rider(hook, message) if clean else None
-                    verdicts.append(await self.process(message, conn, rider))
-                    clean = clean and settled_by_commit(verdicts[-1])
-                    # a dead connection fails every later message too: hand the rest back
-                    if verdicts[-1].action is Action.RETRY or conn.is_closed():
-                        break
+                try:
+                    for i, message in enumerate(messages):
+                        rider = _rider(hook, message) if clean else None
+                        # the next message's BEGIN and claim ride with this one's COMMIT
+                        ahead = self._ahead(messages[i + 1]) if i + 1 < len(messages) else None
+                        if ahead is not None:
+                            fast_path.ask_ahead(conn, ahead)
+                        try:
+                            verdicts.append(await self.process(message, conn, rider))
+                        finally:
+                            fast_path.forget_ahead(conn)
+                        clean = clean and settled_by_commit(verdicts[-1])
+                        # a dead connection fails every later message too: hand the rest back
+                        if verdicts[-1].action is Action.RETRY or conn.is_closed():
+                            break
+                finally:
+                    await fast_path.end_ahead(conn)
         except StoreUnavailable as exc:
             verdicts.append(self._store_down(exc, None))
         return verdicts
+
+    def _ahead(self, message: ConsumerMessage) -> Ahead | None:
+        """The claim of ``message`` to begin with the previous message's COMMIT, or None when it
+        has no valid key (it is dead-lettered without a claim)."""
+        try:
+            prepared = self.prepare(message)
+        except InvalidKey:  # on_invalid_key="raise": raised when its turn comes
+            return None
+        if isinstance(prepared, Verdict):
+            return None
+        return Ahead(self.scope, prepared[0], prepared[1], self.retention)
 
     @tracing.traced_batch
     async def _as_one_transaction(

@@ -120,6 +120,28 @@ async def test_transactional_new_key(
     await verify(pg_pool, store, delivery, scope)
 
 
+# --- transactional, a run on one connection: the next claim rides with each COMMIT ----------
+
+
+#: the second handler statement runs in a transaction begun with the first COMMIT; the second
+#: COMMIT carries the third message's BEGIN and claim
+TX_RUN = [Fault(f.point, f.kind, nth=2) for f in matrix([Point.HANDLER, Point.COMMIT], KINDS)]
+
+
+@pytest.mark.parametrize("fault", TX_RUN, ids=case_id)
+async def test_transactional_run(
+    pg_pool: asyncpg.Pool, effects: None, scope: str, fault: Fault
+) -> None:
+    faulty = FaultyPool(pg_pool)
+    store = PostgresStore(faulty)
+    faulty.arm(fault)
+    book = transactional(store, scope)
+    deliveries = await deliver_batch(book.process_batch, [message(f"k{i}") for i in range(3)])
+    assert faulty.log == [str(fault)], "the fault did not fire: the case tests nothing"
+    for delivery in deliveries:
+        await verify(pg_pool, store, delivery, scope)
+
+
 # --- transactional, a key re-acquired after a retryable failure (the reserve path) -----------
 
 
@@ -372,6 +394,7 @@ def test_the_matrix_is_as_large_as_the_readme_says() -> None:
     """The README's testing section quotes these numbers: paths x step boundaries x faults."""
     sizes = {
         "transactional, new key (with and without a result)": 2 * len(TX_NEW),
+        "transactional, a run (the next claim with each COMMIT)": len(TX_RUN),
         "transactional, re-acquired key": len(TX_AGAIN),
         "two-phase": len(TWO_PHASE),
         "batch": len(BATCH),
@@ -382,6 +405,7 @@ def test_the_matrix_is_as_large_as_the_readme_says() -> None:
     }
     assert sizes == {
         "transactional, new key (with and without a result)": 26,
+        "transactional, a run (the next claim with each COMMIT)": 9,
         "transactional, re-acquired key": 17,
         "two-phase": 17,
         "batch": 17,
@@ -390,7 +414,7 @@ def test_the_matrix_is_as_large_as_the_readme_says() -> None:
         "FastStream (Kafka and RabbitMQ test brokers)": 26,
         "publishing (dead letter and notice x transient, permanent, permanent twice)": 6,
     }
-    assert sum(sizes.values()) == 149
+    assert sum(sizes.values()) == 158
 
 
 # --- publishing: dead letters and notices, transient and permanent failures --------------------

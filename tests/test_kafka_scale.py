@@ -233,8 +233,9 @@ async def test_round_trips_of_one_message_per_transaction(
 ) -> None:
     """One message per transaction, on the run's one connection: BEGIN with the claim, the
     handler's two statements, the result check with the COMMIT (and the offset upsert, with
-    offsets in Postgres): four per message, plus one pool reset per run. A duplicate: the
-    claim, the reservation that finds it completed, the COMMIT of that reservation."""
+    offsets in Postgres) and, after it, the next message's BEGIN with its claim: four for the
+    run's first message, three for each after it, plus one pool reset per run. A duplicate:
+    the claim, the reservation that finds it completed, the COMMIT of that reservation."""
     pg, queries = counted
     consumer = ledger(pg, f"rt1-{run_id}")
     hook = OffsetHook(PostgresOffsets(pg, run_id), {})
@@ -242,10 +243,15 @@ async def test_round_trips_of_one_message_per_transaction(
     await consumer.process_batch(messages(run_id, range(0, 1)))
 
     sent = await queries.during(consumer.process_batch(messages(run_id, range(10, 15))))
-    assert len(sent) == 4 * 5 + 1, sent
+    assert len(sent) == 4 + 3 * 4 + 1, sent
+    commits = sent[3::3][:4]
+    assert all(
+        "COMMIT; BEGIN; SET LOCAL" in s and "EXECUTE consumer_idem_claim" in s for s in commits
+    )
+    assert "BEGIN" not in sent[-2] and sent[-2].endswith("COMMIT"), sent  # the run's last
     sent = await queries.during(consumer.process_batch(messages(run_id, range(20, 25)), hook))
-    assert len(sent) == 4 * 5 + 1, sent
-    assert all("kafka_offsets" in s and "COMMIT" in s for s in sent[3::4][:5])
+    assert len(sent) == 4 + 3 * 4 + 1, sent
+    assert all("kafka_offsets" in s and "COMMIT" in s for s in sent[3::3][:5])
     assert hook.stored == {("t", 0): 25}
     sent = await queries.during(consumer.process_batch(messages(run_id, range(20, 21))))
     assert len(sent) == 3 + 1 and sent[2] == "COMMIT", sent

@@ -31,7 +31,7 @@ class Point(StrEnum):
     CLAIM = "claim"  #: the claim: fast-path BEGIN+claim, reserve(), or a batch's claim
     HANDLER = "handler"  #: a statement of the handler's own (anything not the library's)
     COMPLETE = "complete"  #: an owner's completion, result store, or failure record
-    COMMIT = "commit"  #: a statement that ends with COMMIT
+    COMMIT = "commit"  #: a statement that ends with COMMIT (or carries the next unit's claim)
 
 
 class Kind(StrEnum):
@@ -73,7 +73,8 @@ def point_of(sql: str) -> Point | None:
     """Which boundary a statement is (the last one it touches, for batched statements), or
     ``None`` for plumbing that is no step of its own."""
     text = sql.strip().rstrip(";").upper()
-    if text.endswith("COMMIT"):
+    if text.endswith("COMMIT") or ("; COMMIT; BEGIN; " in text and "CONSUMER_IDEM_CLAIM_" in text):
+        # (a unit's COMMIT with the next unit's BEGIN and claim after it: the COMMIT is the step)
         return Point.COMMIT
     if text.startswith(_PLUMBING) and "CONSUMER_IDEM_CLAIM_" not in text:
         return None
