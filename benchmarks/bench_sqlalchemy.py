@@ -32,7 +32,7 @@ class Effect(Base):
     amount_cents: Mapped[int] = mapped_column(BigInteger)
 
 
-async def run(per_chunk: int = 300, chunks: int = 12) -> list[dict[str, Any]]:
+async def run(per_chunk: int = 300, chunks: int = 20) -> list[dict[str, Any]]:
     async with scratch_database() as dsn:
         pool = await asyncpg.create_pool(dsn, min_size=4, max_size=4)
         assert pool is not None

@@ -359,7 +359,6 @@ class TransactionalClaim:
                     response=response,
                     then=then,
                     mark=self.mark,
-                    fingerprint=self.fingerprint,
                 )
                 await _commit(store, conn, scope, finish)
             else:

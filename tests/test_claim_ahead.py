@@ -132,3 +132,108 @@ async def test_a_claim_begun_for_a_message_answered_from_the_cache_is_rolled_bac
     for key in ("k0", "k2"):
         record = await store.get(scope, key)
         assert record is not None and record.status is Status.COMPLETED
+
+
+class _DuplicateOnRollback:
+    """A pool whose connections, on their first ROLLBACK, let a duplicate of ``key`` commit
+    right after it: another session inserts the completed row (same fingerprint) and its
+    effect the moment our claim row is gone, as a consumer blocked on it would."""
+
+    def __init__(self, pool: asyncpg.Pool, duplicate: Any) -> None:
+        self.pool, self.duplicate, self.fired = pool, duplicate, False
+
+    def acquire(self, *, timeout: float | None = None) -> Any:
+        outer = self
+
+        class Acquired:
+            async def __aenter__(self) -> Any:
+                self.inner = outer.pool.acquire(timeout=timeout)
+                return _Conn(await self.inner.__aenter__(), outer)
+
+            async def __aexit__(self, *exc: Any) -> None:
+                await self.inner.__aexit__(*exc)
+
+        return Acquired()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pool, name)
+
+
+class _Conn:
+    def __init__(self, conn: Any, pool: _DuplicateOnRollback) -> None:
+        self._conn, self._pool = conn, pool
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    async def execute(self, sql: str, *args: Any, **kwargs: Any) -> Any:
+        status = await self._conn.execute(sql, *args, **kwargs)
+        if sql == "ROLLBACK" and not self._pool.fired:
+            self._pool.fired = True
+            await self._pool.duplicate()
+        return status
+
+
+async def test_a_duplicate_committing_meanwhile_does_not_pass_for_our_commit(
+    store: PostgresStore, pg_pool: asyncpg.Pool, ahead_effects: None, scope: str
+) -> None:
+    """k1's round trip fails before its COMMIT; the moment its transaction is rolled back, a
+    duplicate of k1 commits (row and effect). Whether our COMMIT happened is read from our own
+    session, not from the row the duplicate wrote: k1 is not reported executed by this run."""
+    book = consumer(store, scope, {"k1": "consumer_idem_result"})
+    prepared = book.prepare(message("k1"))
+    assert not isinstance(prepared, Verdict)
+
+    async def duplicate() -> None:
+        async with pg_pool.acquire() as other, other.transaction():
+            await other.execute(
+                f"INSERT INTO {store.table} (scope, key, fingerprint, status, result_kind,"
+                " result, completed_at, expires_at) VALUES ($1, 'k1', $2, 'completed',"
+                " 'success', '{\"booked\": \"elsewhere\"}', now(), now() + interval '1 day')",
+                scope,
+                prepared[1],
+            )
+            await other.execute("INSERT INTO ahead_effects VALUES ($1, 'k1')", scope)
+
+    racing = PostgresStore(_DuplicateOnRollback(pg_pool, duplicate))  # type: ignore[arg-type]
+    verdicts = await consumer(racing, scope, {"k1": "consumer_idem_result"}).process_batch(
+        run(["k0", "k1", "k2"])
+    )
+    assert executed(verdicts[0]), verdicts
+    assert not executed(verdicts[1]), verdicts  # its own attempt committed nothing
+    assert verdicts[1].action is Action.RETRY or verdicts[1].duplicate, verdicts
+    done = await effects(pg_pool, scope)
+    assert done["k0"] == 1 and done["k1"] == 1, done  # k1: the duplicate's effect only
+
+
+async def test_a_next_claim_that_times_out_after_the_commit_leaves_the_unit_executed(
+    pg_dsn: str, pg_pool: asyncpg.Pool, store: PostgresStore, ahead_effects: None, scope: str
+) -> None:
+    """The claim riding after k1's COMMIT waits on k2's row, held uncommitted by another
+    session, past the client's command timeout. k1 committed: it is executed, not an outage to
+    retry; k2 waits (retry) until the other session lets go, then runs once."""
+    timed = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2, command_timeout=0.5)
+    assert timed is not None
+    try:
+        short = PostgresStore(timed, command_timeout=0.5)
+        book = consumer(short, scope, {})
+        prepared = book.prepare(message("k2"))
+        assert not isinstance(prepared, Verdict)
+        async with pg_pool.acquire() as holder:
+            await holder.execute("BEGIN")
+            await holder.execute(
+                f"INSERT INTO {store.table} (scope, key, fingerprint, status, result_kind,"
+                " completed_at, expires_at) VALUES ($1, 'k2', $2, 'completed', 'success',"
+                " now(), now() + interval '1 day')",
+                scope,
+                prepared[1],
+            )
+            verdicts = await book.process_batch(run(["k1", "k2"]))
+            await holder.execute("ROLLBACK")
+        assert executed(verdicts[0]), verdicts
+        assert len(verdicts) == 2 and verdicts[1].action is Action.RETRY, verdicts
+        again = await book.process_batch(run(["k2"]))
+        assert [executed(v) for v in again] == [True], again
+        assert await effects(pg_pool, scope) == {"k1": 1, "k2": 1}
+    finally:
+        await timed.close()

@@ -2,7 +2,9 @@
 
 A first delivery costs two round trips: ``BEGIN`` + the claim in one simple query, the result +
 ``COMMIT`` in another. The claim row is written ``completed`` at once: nobody sees it before the
-commit, and a rollback takes it away. Batch mode claims and completes many keys per statement.
+commit, and a rollback takes it away. On a connection that runs units back to back, the next
+unit's BEGIN + claim rides after this one's COMMIT (:class:`Ahead`): one round trip a unit. Batch
+mode claims and completes many keys per statement.
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ def dollar_quote(text: str) -> str:
 
 
 log = logging.getLogger("consumer_idem.stores.postgres.fast_path")
+
+#: set (session-level) to a transaction's mark just before a COMMIT that carries the next
+#: unit's claim: it outlives the transaction only if that COMMIT committed
+DONE_SETTING = "consumer_idem.done"
 
 
 @dataclass(eq=False, slots=True)
@@ -206,32 +212,36 @@ class FastPath:
         if self._begun.pop(conn, None) is not None:
             await rollback(conn)
 
-    async def _committed_before(
-        self, conn: Any, exc: BaseException, scope: str, key: str, fingerprint: str
-    ) -> bool:
-        """The round trip of a COMMIT with the next unit's claim after it failed: did the COMMIT
-        happen, and the failure come from the next unit's BEGIN or claim? Only then is the
-        connection in a transaction that is not ours and the failure no refusal of our check;
-        otherwise (and when unsure) False, and the caller classifies the failure as before. A
-        failure that could be either (a statement timeout, say) is settled by our claim row,
-        which only our COMMIT can have made durable."""
-        if conn.is_closed() or not conn.is_in_transaction():
-            return False  # gone (an outage: the redelivery settles it), or our COMMIT refused
+    async def _committed_before(self, conn: Any, exc: BaseException, mark: str) -> bool:
+        """The round trip of our COMMIT with the next unit's claim after it failed: did our
+        COMMIT happen (and the failure come after it)? False when it did not, and when that
+        cannot be known (the connection is gone): the caller then classifies the failure as
+        for a COMMIT alone.
+
+        Just before its COMMIT our transaction sets a session setting to its mark (see
+        :data:`DONE_SETTING`). A session-level setting made in a transaction lasts only if the
+        transaction commits, so once whatever is left open is rolled back, the setting on this
+        connection answers, whatever other sessions did meanwhile (a duplicate may have
+        committed the key the moment our claim row was gone)."""
         if (
             mark_lost(exc)
             or isinstance(exc, asyncpg.InFailedSQLTransactionError)
             or self._check_stmt in str(exc)
         ):
             return False  # our check refused (or never ran): before our COMMIT
-        await conn.execute("ROLLBACK")
-        row = await conn.fetchrow(
-            f"SELECT status, fingerprint FROM {self.store.table} WHERE scope = $1 AND key = $2",
-            scope,
-            key,
-            timeout=self.store.command_timeout,
-        )
-        ours = row is not None and row["fingerprint"] == fingerprint
-        return ours and row["status"] == "completed"
+        try:
+            if conn.is_closed():
+                return False
+            if conn.is_in_transaction():
+                await conn.execute("ROLLBACK")
+            done = await conn.fetchval(
+                f"SELECT current_setting('{DONE_SETTING}', true)",
+                timeout=self.store.command_timeout,
+            )
+        except Exception:  # the connection broke meanwhile: unknown, as for a COMMIT alone
+            log.debug("reading whether the COMMIT happened failed", exc_info=True)
+            return False
+        return bool(done == mark)
 
     async def begin_and_claim(
         self,
@@ -305,7 +315,6 @@ class FastPath:
         response: StoredResponse | None = None,
         then: str = "",
         mark: str | None = None,
-        fingerprint: str | None = None,
     ) -> None:
         """Store the result (``encode_result`` of it) and/or an HTTP response on a row claimed by
         :meth:`begin_and_claim`, run ``then`` (a statement of the library's own, e.g. a NOTIFY)
@@ -313,8 +322,8 @@ class FastPath:
         :class:`~consumer_idem.errors.CommitRolledBack` when the transaction had been aborted.
         Other errors propagate as raised (the caller classifies them).
 
-        With a ``mark`` (the check runs first) and ``fingerprint``, the next unit's claim asked
-        for on ``conn`` (:meth:`ask_ahead`) rides after the COMMIT. The check makes the
+        With a ``mark`` (the check runs first), the next unit's claim asked for on ``conn``
+        (:meth:`ask_ahead`) rides after the COMMIT. The check makes the
         COMMIT's own tag redundant: a transaction that passed it is not aborted, so its COMMIT
         either commits or raises."""
         statements = [] if mark is None else [self.check(mark)]
@@ -335,8 +344,8 @@ class FastPath:
             )
         if then:
             statements.append(then)
-        ahead = self._asked.pop(conn, None) if mark is not None and fingerprint else None
-        if ahead is None:
+        ahead = self._asked.pop(conn, None)
+        if ahead is None or mark is None:  # (no mark, no check: the COMMIT's tag is read)
             if statements:
                 await execute_and_commit(conn, "; ".join(statements))
             else:
@@ -345,11 +354,11 @@ class FastPath:
         begin = self._begin_and_claim_sql(
             ahead.scope, ahead.key, ahead.fingerprint, ahead.retention, None, ahead.mark
         )
+        statements.append(f"SELECT set_config('{DONE_SETTING}', '{mark}', false)")
         try:
             status = await conn.execute(f"{'; '.join(statements)}; COMMIT; {begin}")
-        except asyncpg.PostgresError as exc:
-            assert fingerprint is not None
-            if await self._committed_before(conn, exc, scope, key, fingerprint):
+        except Exception as exc:  # not a cancellation: that is the caller's to handle
+            if await self._committed_before(conn, exc, mark):
                 return  # the next unit begins on its own (and prepares a claim gone missing)
             raise
         ahead.claimed = status == "INSERT 0 1"
