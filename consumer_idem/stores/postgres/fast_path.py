@@ -196,14 +196,15 @@ class FastPath:
     ) -> Ahead | None:
         """The transaction begun ahead on ``conn`` for this unit, its claim made: ``None``
         when there is none. One begun for another unit (a unit answered from the cache took
-        no claim) is rolled back here, so the caller begins its own."""
-        ahead = self._begun.pop(conn, None)
-        if ahead is None or ahead.serves(scope, key, fingerprint, retention):
-            if ahead is not None and ahead.claimed:
-                self.store.metrics.inc("created", scope)
-            return ahead
-        await rollback(conn)
-        return None
+        no claim) stays for the caller's :meth:`begin_and_claim`, which rolls it back in the
+        round trip of its own BEGIN."""
+        ahead = self._begun.get(conn)
+        if ahead is None or not ahead.serves(scope, key, fingerprint, retention):
+            return None
+        del self._begun[conn]
+        if ahead.claimed:
+            self.store.metrics.inc("created", scope)
+        return ahead
 
     async def end_ahead(self, conn: Any) -> None:
         """``conn`` runs no further unit: roll back a transaction begun ahead and not taken
@@ -267,10 +268,12 @@ class FastPath:
         roll it back). HTTP uses this to answer 409 instead of holding a connection.
         """
         sql = self._begin_and_claim_sql(scope, key, fingerprint, retention, lock_timeout_ms, mark)
+        # a transaction begun ahead for a unit that took no claim: it goes, in this round trip
+        stale = "ROLLBACK; " if self._begun.pop(conn, None) is not None else ""
 
         async def claim(c: Any) -> str:
             try:
-                status: str = await c.execute(sql)
+                status: str = await c.execute(stale + sql)
             except asyncpg.InvalidSQLStatementNameError:
                 # first use on this connection (or someone ran DEALLOCATE): prepare, retry
                 if c.is_in_transaction():
