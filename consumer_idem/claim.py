@@ -423,8 +423,11 @@ class TransactionalClaim:
         record = await self.store.get(self.scope, self.key)
         if record is None:
             return None
-        if self.token is None:  # our INSERT claimed the key: a completed row is ours
-            ours = record.status is Status.COMPLETED
+        if self.token is None:
+            # our INSERT claimed the key: a completed row with our payload is ours, or the
+            # work of a duplicate that committed once the work's ROLLBACK freed the key (done
+            # either way). Another payload's is not: this message then meets it as a misuse.
+            ours = record.status is Status.COMPLETED and record.fingerprint == self.fingerprint
         else:
             ours = record.status is Status.IN_PROGRESS and record.owner_token == self.token
         return record if ours else None

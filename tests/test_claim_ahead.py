@@ -9,6 +9,7 @@ real Postgres, and a claim begun for a message that then took none (answered fro
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import asyncpg
@@ -23,6 +24,7 @@ from consumer_idem import (
     idempotent_consumer,
 )
 from consumer_idem.consumer import Action, IdempotentConsumer, Verdict
+from tests._racing import DuplicateOnRollback, insert_completed
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +43,15 @@ def run(keys: list[str]) -> list[ConsumerMessage]:
     return [message(k) for k in keys]
 
 
-def consumer(store: PostgresStore, scope: str, deallocate: dict[str, str]) -> IdempotentConsumer:
+def consumer(
+    store: PostgresStore,
+    scope: str,
+    deallocate: dict[str, str],
+    then: Callable[[], None] = lambda: None,
+) -> IdempotentConsumer:
     """Writes one effect row and returns a result; for a key in ``deallocate``, then drops that
-    prepared statement of the library's on its connection (as a handler's DEALLOCATE would)."""
+    prepared statement of the library's on its connection (as a handler's DEALLOCATE would)
+    and calls ``then()``."""
 
     @idempotent_consumer(store, scope=scope, backoff=(0.01, 0.05))
     async def book(msg: ConsumerMessage, conn: asyncpg.Connection) -> Any:
@@ -51,6 +59,7 @@ def consumer(store: PostgresStore, scope: str, deallocate: dict[str, str]) -> Id
         await conn.execute("INSERT INTO ahead_effects VALUES ($1, $2)", scope, key)
         if key in deallocate:
             await conn.execute(f"DEALLOCATE {deallocate[key]}_{store.schema}")
+            then()
         return {"booked": key}
 
     return book
@@ -134,46 +143,6 @@ async def test_a_claim_begun_for_a_message_answered_from_the_cache_is_rolled_bac
         assert record is not None and record.status is Status.COMPLETED
 
 
-class _DuplicateOnRollback:
-    """A pool whose connections, on their first ROLLBACK, let a duplicate of ``key`` commit
-    right after it: another session inserts the completed row (same fingerprint) and its
-    effect the moment our claim row is gone, as a consumer blocked on it would."""
-
-    def __init__(self, pool: asyncpg.Pool, duplicate: Any) -> None:
-        self.pool, self.duplicate, self.fired = pool, duplicate, False
-
-    def acquire(self, *, timeout: float | None = None) -> Any:
-        outer = self
-
-        class Acquired:
-            async def __aenter__(self) -> Any:
-                self.inner = outer.pool.acquire(timeout=timeout)
-                return _Conn(await self.inner.__aenter__(), outer)
-
-            async def __aexit__(self, *exc: Any) -> None:
-                await self.inner.__aexit__(*exc)
-
-        return Acquired()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.pool, name)
-
-
-class _Conn:
-    def __init__(self, conn: Any, pool: _DuplicateOnRollback) -> None:
-        self._conn, self._pool = conn, pool
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._conn, name)
-
-    async def execute(self, sql: str, *args: Any, **kwargs: Any) -> Any:
-        status = await self._conn.execute(sql, *args, **kwargs)
-        if sql == "ROLLBACK" and not self._pool.fired:
-            self._pool.fired = True
-            await self._pool.duplicate()
-        return status
-
-
 async def test_a_duplicate_committing_meanwhile_does_not_pass_for_our_commit(
     store: PostgresStore, pg_pool: asyncpg.Pool, ahead_effects: None, scope: str
 ) -> None:
@@ -186,20 +155,15 @@ async def test_a_duplicate_committing_meanwhile_does_not_pass_for_our_commit(
 
     async def duplicate() -> None:
         async with pg_pool.acquire() as other, other.transaction():
-            await other.execute(
-                f"INSERT INTO {store.table} (scope, key, fingerprint, status, result_kind,"
-                " result, completed_at, expires_at) VALUES ($1, 'k1', $2, 'completed',"
-                " 'success', '{\"booked\": \"elsewhere\"}', now(), now() + interval '1 day')",
-                scope,
-                prepared[1],
-            )
+            booked = '{"booked": "elsewhere"}'
+            await insert_completed(other, store.table, scope, "k1", prepared[1], booked)
             await other.execute("INSERT INTO ahead_effects VALUES ($1, 'k1')", scope)
 
-    racing = PostgresStore(_DuplicateOnRollback(pg_pool, duplicate))  # type: ignore[arg-type]
-    verdicts = await consumer(racing, scope, {"k1": "consumer_idem_result"}).process_batch(
-        run(["k0", "k1", "k2"])
-    )
-    assert executed(verdicts[0]), verdicts
+    duplicates = DuplicateOnRollback(pg_pool, duplicate)
+    racing = PostgresStore(duplicates)  # type: ignore[arg-type]
+    book = consumer(racing, scope, {"k1": "consumer_idem_result"}, duplicates.arm)
+    verdicts = await book.process_batch(run(["k0", "k1", "k2"]))
+    assert duplicates.fired and executed(verdicts[0]), verdicts
     assert not executed(verdicts[1]), verdicts  # its own attempt committed nothing
     assert verdicts[1].action is Action.RETRY or verdicts[1].duplicate, verdicts
     done = await effects(pg_pool, scope)
@@ -221,13 +185,7 @@ async def test_a_next_claim_that_times_out_after_the_commit_leaves_the_unit_exec
         assert not isinstance(prepared, Verdict)
         async with pg_pool.acquire() as holder:
             await holder.execute("BEGIN")
-            await holder.execute(
-                f"INSERT INTO {store.table} (scope, key, fingerprint, status, result_kind,"
-                " completed_at, expires_at) VALUES ($1, 'k2', $2, 'completed', 'success',"
-                " now(), now() + interval '1 day')",
-                scope,
-                prepared[1],
-            )
+            await insert_completed(holder, store.table, scope, "k2", prepared[1])
             verdicts = await book.process_batch(run(["k1", "k2"]))
             await holder.execute("ROLLBACK")
         assert executed(verdicts[0]), verdicts

@@ -38,6 +38,7 @@ from consumer_idem.commit import savepoint
 from consumer_idem.errors import SchemaMissing, StoreUnavailable
 from consumer_idem.notice import make_notice
 from consumer_idem.stores.postgres.errors import kind_of
+from tests._racing import DuplicateOnRollback, insert_completed
 
 FP = "v1:jcs:payload"
 
@@ -421,6 +422,35 @@ async def test_a_connection_that_lost_the_commit_check_heals_and_never_misreport
         retried = await run_transactional(store, scope, "k1", FP, work("k1"), conn=conn)
         assert retried.kind is (OutcomeKind.REPLAYED if then else OutcomeKind.EXECUTED)
         assert await rows(pg_pool, scope) == {"k0": 1, "k1": 1, "k2": 1}
+
+
+async def test_a_duplicate_with_another_payload_committing_after_the_work_rolled_back_is_misuse(
+    store: PostgresStore, pg_pool: asyncpg.Pool, ledger: str, scope: str
+) -> None:
+    """The handler ends the transaction itself (``ROLLBACK; BEGIN``): our claim row is gone.
+    Right then a message with the same key and another payload claims and commits it. Our
+    completed-looking row is not ours: the message is not acked as a replay of the other
+    payload (that would lose it), it meets the key again and is dead-lettered as a misuse."""
+
+    async def other_payload() -> None:
+        async with pg_pool.acquire() as other, other.transaction():
+            await insert_completed(other, store.table, scope, "k", "v1:other")
+
+    duplicates = DuplicateOnRollback(pg_pool, other_payload)
+    racing = PostgresStore(duplicates)  # type: ignore[arg-type]
+
+    @idempotent_consumer(racing, scope=scope, backoff=(0.01, 0.05))
+    async def recovers(message: ConsumerMessage, conn: asyncpg.Connection) -> Any:
+        await conn.execute("INSERT INTO edge_ledger VALUES ($1, 'k', 1)", scope)
+        await conn.execute("ROLLBACK; BEGIN")  # "recovering" from an error: never do this
+        duplicates.arm()
+
+    first = await recovers.process(msg("k", {"n": 1}))
+    assert duplicates.fired and not (first.action is Action.ACK and first.duplicate), first
+    again = await recovers.process(msg("k", {"n": 1}))
+    verdict = again if first.action is Action.RETRY else first
+    assert verdict.action is Action.DEAD_LETTER and verdict.reason == "key_misuse", verdict
+    assert await rows(pg_pool, scope) == {}
 
 
 async def test_a_handler_that_commits_a_reacquired_claim_parks_it_at_once(
