@@ -18,7 +18,7 @@ RabbitMQ: plain aio-pika (prefetch 32, effect in a transaction, ack) vs. the dec
 
 Rates run from the first settled message to the last, so joining the group is not counted.
 Each run reads the topic with a new consumer group and, for the decorator, a new scope; a
-baseline and its subject alternate (three times each, medians; eight partitions: five times after
+baseline and its subject alternate (three times each, medians; eight partitions: nine times after
 a warm-up run of each) so both see the same machine.
 """
 
@@ -48,7 +48,7 @@ from handlers.payments import ensure_tables, record_payment, record_payments
 N = 20_000
 #: one message per transaction on one partition runs at commit speed: a bounded count
 ONE_BY_ONE = 5_000
-#: eight partitions, one message per transaction (per run; a warm-up and five runs each side)
+#: eight partitions, one message per transaction (per run; a warm-up and nine runs each side)
 P8 = 8_000
 #: FastStream, per message, a Kafka commit each (~6 ms on this broker; per run, three runs
 #: each side)
@@ -284,11 +284,12 @@ async def kafka_entries(
         # eight partitions, one message per transaction, all partitions at once
         await send_kafka(plan(P8, 0.0, 2, run_id), eight)
         # one run of each first, not counted: the first reads of a new topic cost more, and
-        # single rounds here ranged from 0.56 to 1.22; then five rounds, medians
+        # single rounds here ranged from 0.56 to 1.22 (0.64 to 1.12 in one run of five): nine
+        # rounds, medians
         await plain_kafka_per_partition(pool, eight, P8)
         await idempotent_kafka(store, eight, batch=False, count=P8)
         base, subject, ratios = await alternate(
-            5,
+            9,
             lambda: plain_kafka_per_partition(pool, eight, P8),
             lambda: idempotent_kafka(store, eight, batch=False, count=P8),
         )

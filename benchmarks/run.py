@@ -1,19 +1,22 @@
 """`make bench`: every benchmark, each against a baseline measured in the same run.
 
-Results are appended to benchmarks/results.json as {"name", "value", "unit", "baseline", "ratio"}.
-Pass benchmark names to run only some: `python -m benchmarks.run store`.
+Results go to benchmarks/results.json as {"name", "value", "unit", "baseline", "ratio"}: a full
+run writes it anew; `python -m benchmarks.run store` runs only the benchmarks named and appends
+their entries. Each benchmark runs in a Python process of its own, so none measures the heap,
+the collector or the event loop another one left behind (the asyncio side of a comparison
+allocates more than a synchronous peer, and paid for the garbage of the benchmarks before it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-from benchmarks.common import append_results
+from benchmarks.common import RESULTS, append_results
 
 BENCHMARKS = ["store", "consumers", "redis", "http", "sqlalchemy", "scale", "peer", "outbox"]
 
@@ -47,15 +50,26 @@ async def settle() -> float:
     return time.monotonic() - started
 
 
-async def main(names: list[str]) -> None:
-    entries: list[dict[str, Any]] = []
+async def one(name: str) -> None:
+    """Run one benchmark in this process and append its entries."""
+    module = importlib.import_module(f"benchmarks.bench_{name}")
+    append_results(await module.run())
+
+
+def main(names: list[str]) -> None:
+    unknown = sorted(set(names) - set(BENCHMARKS))
+    if unknown:
+        raise SystemExit(f"no such benchmark: {', '.join(unknown)} (known: {BENCHMARKS})")
+    if not names:
+        RESULTS.unlink(missing_ok=True)  # a full run: one run's entries, nothing older
     for name in names or BENCHMARKS:
-        module = importlib.import_module(f"benchmarks.bench_{name}")
-        waited = await settle()
+        waited = asyncio.run(settle())
         print(f"== {name} (after {waited:.0f} s for the machine to settle)", flush=True)
-        entries += await module.run()
-    append_results(entries)
+        subprocess.run([sys.executable, "-m", "benchmarks.run", "--one", name], check=True)
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1:]))
+    if sys.argv[1:2] == ["--one"]:
+        asyncio.run(one(sys.argv[2]))
+    else:
+        main(sys.argv[1:])
