@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
 import time
@@ -41,8 +42,6 @@ async def scratch_database() -> AsyncIterator[str]:
 
 async def rate(op: Callable[[int], Awaitable[Any]], total: int, concurrency: int) -> float:
     """Operations per second of ``op(i)`` for i in range(total), ``concurrency`` at a time."""
-    import asyncio
-
     counter = iter(range(total))
 
     async def worker() -> None:
@@ -117,10 +116,37 @@ class Clock:
 
 async def until(done: Callable[[], bool], budget: float = 600) -> None:
     """Wait until ``done()`` (polled every 5 ms), at most ``budget`` seconds."""
-    import asyncio
-
     deadline = time.monotonic() + budget
     while not done():
         if time.monotonic() > deadline:
             raise TimeoutError("benchmark run did not finish")
         await asyncio.sleep(0.005)
+
+
+#: wait for the machine to settle before a benchmark: at least this share of CPU time idle ...
+QUIET_IDLE = 0.85
+#: ... but never longer than this (a machine that never settles still gets measured)
+QUIET_MAX_SECONDS = 30.0
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(idle, total) jiffies of all CPUs since boot (Linux), or (0, 0) where there is no /proc."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return fields[3] + fields[4], sum(fields)  # idle + iowait
+
+
+async def settle() -> float:
+    """Wait until a second passes with the CPUs mostly idle: the brokers and Postgres keep
+    working for a while after a heavy benchmark (log flushes, checkpoints, autovacuum, the JVM's
+    collector), and a 2-core machine measures that as noise in the next one. Returns the wait."""
+    started = time.monotonic()
+    while time.monotonic() - started < QUIET_MAX_SECONDS:
+        idle0, total0 = _cpu_times()
+        await asyncio.sleep(1.0)
+        idle1, total1 = _cpu_times()
+        if total1 == total0 or (idle1 - idle0) / (total1 - total0) >= QUIET_IDLE:
+            break
+    return time.monotonic() - started
