@@ -35,6 +35,7 @@ from consumer_idem.commit import (
 from consumer_idem.errors import (
     InvalidKey,
     InvalidPayload,
+    KeyInFlight,
     PoisonMessage,
     StoreRejected,
     StoreUnavailable,
@@ -444,6 +445,12 @@ class IdempotentConsumer:
             return self._store_down(exc, key)
         except StoreRejected as exc:
             return self._store_rejected(exc, key)
+        except KeyInFlight:
+            # a lock_timeout of the session's (a handler's SET) ran out while another
+            # transaction held the key's row: its work is in flight, as for a lease held
+            return Verdict(
+                Action.RETRY, self.scope, key, reason="in_progress", retry_after=self.backoff_base
+            )
         self._store_up()
         if conn is None:  # holding no connection: wait while the outbox dispatch is behind
             await backpressure(self.store, self.scope)

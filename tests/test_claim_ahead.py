@@ -8,8 +8,9 @@ real Postgres, and a claim begun for a message that then took none (answered fro
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import asyncpg
@@ -170,6 +171,21 @@ async def test_a_duplicate_committing_meanwhile_does_not_pass_for_our_commit(
     assert done["k0"] == 1 and done["k1"] == 1, done  # k1: the duplicate's effect only
 
 
+@contextlib.asynccontextmanager
+async def holding(pool: asyncpg.Pool, book: IdempotentConsumer, key: str) -> AsyncIterator[None]:
+    """Another session holds an uncommitted claim of ``key`` (a duplicate in flight) while the
+    block runs, and then lets it go."""
+    prepared = book.prepare(message(key))
+    assert not isinstance(prepared, Verdict)
+    async with pool.acquire() as holder:
+        await holder.execute("BEGIN")
+        await insert_completed(holder, book.store.table, book.scope, key, prepared[1])
+        try:
+            yield
+        finally:
+            await holder.execute("ROLLBACK")
+
+
 async def test_a_next_claim_that_times_out_after_the_commit_leaves_the_unit_executed(
     pg_dsn: str, pg_pool: asyncpg.Pool, store: PostgresStore, ahead_effects: None, scope: str
 ) -> None:
@@ -181,13 +197,8 @@ async def test_a_next_claim_that_times_out_after_the_commit_leaves_the_unit_exec
     try:
         short = PostgresStore(timed, command_timeout=0.5)
         book = consumer(short, scope, {})
-        prepared = book.prepare(message("k2"))
-        assert not isinstance(prepared, Verdict)
-        async with pg_pool.acquire() as holder:
-            await holder.execute("BEGIN")
-            await insert_completed(holder, store.table, scope, "k2", prepared[1])
+        async with holding(pg_pool, book, "k2"):
             verdicts = await book.process_batch(run(["k1", "k2"]))
-            await holder.execute("ROLLBACK")
         assert executed(verdicts[0]), verdicts
         assert len(verdicts) == 2 and verdicts[1].action is Action.RETRY, verdicts
         again = await book.process_batch(run(["k2"]))
@@ -195,3 +206,25 @@ async def test_a_next_claim_that_times_out_after_the_commit_leaves_the_unit_exec
         assert await effects(pg_pool, scope) == {"k1": 1, "k2": 1}
     finally:
         await timed.close()
+
+
+async def test_a_session_lock_timeout_on_a_key_held_elsewhere_is_a_wait_not_a_crash(
+    store: PostgresStore, pg_pool: asyncpg.Pool, ahead_effects: None, scope: str
+) -> None:
+    """k1's handler sets a session-level lock_timeout; another session holds k2's claim. The
+    claim of k2 riding after k1's COMMIT runs out of it, and so does k2's own claim: k1 is
+    executed, k2 waits (retry, in progress) instead of an exception out of the run."""
+    book = consumer(store, scope, {})
+    slow = consumer(store, scope, {})
+
+    @idempotent_consumer(store, scope=scope, backoff=(0.01, 0.05))
+    async def impatient(msg: ConsumerMessage, conn: asyncpg.Connection) -> Any:
+        await conn.execute("SET lock_timeout = '100ms'")  # session-level: outlives the unit
+        return await slow.handler(msg, conn)
+
+    async with holding(pg_pool, book, "k2"):
+        verdicts = await impatient.process_batch(run(["k1", "k2"]))
+    assert executed(verdicts[0]), verdicts
+    assert verdicts[1].action is Action.RETRY and verdicts[1].reason == "in_progress", verdicts
+    assert [executed(v) for v in await book.process_batch(run(["k2"]))] == [True]
+    assert await effects(pg_pool, scope) == {"k1": 1, "k2": 1}
