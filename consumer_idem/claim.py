@@ -270,8 +270,9 @@ class TransactionalClaim:
         #: the owner token when the key was re-acquired (``None`` for a fresh claim)
         self.token: UUID | None = None
         self.attempts = 1
-        #: the transaction-local mark its COMMIT checks (see ``consumer_idem.commit``)
-        self.mark = new_mark()
+        #: the transaction-local mark its COMMIT checks (see ``consumer_idem.commit``); set on
+        #: entry: a transaction begun ahead brings its own
+        self.mark = ""
         #: how the phase ended, once it has
         self.outcome: Outcome | None = None
         #: the unit's outbox (``outbox_for(conn)``) while this phase owns the key
@@ -283,12 +284,13 @@ class TransactionalClaim:
         try:
             ahead = None
             if self.lock_timeout_ms is None:  # begun with the previous unit's COMMIT?
-                ahead = await store.fast_path.take_ahead(
+                ahead = store.fast_path.take_ahead(
                     conn, self.scope, self.key, self.fingerprint, self.retention
                 )
             if ahead is not None:
                 self.mark, claimed = ahead.mark, ahead.claimed
             else:
+                self.mark = new_mark()
                 claimed = await store.fast_path.begin_and_claim(
                     conn,
                     self.scope,

@@ -186,7 +186,7 @@ class FastPath:
         """The current unit is over: an ahead claim it did not send is not wanted any more."""
         self._asked.pop(conn, None)
 
-    async def take_ahead(
+    def take_ahead(
         self,
         conn: Any,
         scope: str,
@@ -293,20 +293,6 @@ class FastPath:
         if claimed:
             self.store.metrics.inc("created", scope)
         return claimed
-
-    async def commit_claimed(
-        self, conn: asyncpg.Connection, scope: str, key: str, encoded: str | None
-    ) -> None:
-        """Store the handler's result (``encode_result`` of it) on a row claimed by
-        :meth:`begin_and_claim` and COMMIT, in one round trip. Errors propagate as raised
-        (the caller classifies them)."""
-        if encoded is None:
-            await conn.execute("COMMIT")
-            return
-        await conn.execute(
-            f"EXECUTE {self._result_stmt}({dollar_quote(scope)}, {dollar_quote(key)},"
-            f" {dollar_quote(encoded)}); COMMIT"
-        )
 
     async def finish_claimed(
         self,
