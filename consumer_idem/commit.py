@@ -102,11 +102,13 @@ def check_sql(mark: str) -> str:
     return _check(f"'{mark}'")
 
 
-def prepare_check_sql(name: str) -> str:
+def prepare_check_sql(name: str, *also: str) -> str:
     """:func:`check_sql` as a server-side prepared statement ``name`` taking the mark: a
     connection that sends one unit after another would otherwise parse and plan the check for
-    each (measured: about a fifth of Postgres' CPU per unit, with eight units at once)."""
-    return f"PREPARE {name}(text) AS {_check('$1')}"
+    each (measured: about a fifth of Postgres' CPU per unit, with eight units at once).
+    ``also``: more output columns (expressions over the mark, ``$1``), evaluated only when the
+    check passes."""
+    return f"PREPARE {name}(text) AS {', '.join((_check('$1'), *also))}"
 
 
 def run_check_sql(name: str, mark: str) -> str:

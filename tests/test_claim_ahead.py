@@ -98,13 +98,15 @@ async def test_a_next_claim_that_fails_after_the_commit_leaves_the_unit_executed
         assert record.result == {"booked": key}
 
 
+@pytest.mark.parametrize("gone", ["consumer_idem_result", "consumer_idem_check_done"])
 async def test_a_failure_before_the_commit_is_never_taken_for_one_after_it(
-    store: PostgresStore, pg_pool: asyncpg.Pool, ahead_effects: None, scope: str
+    store: PostgresStore, pg_pool: asyncpg.Pool, ahead_effects: None, scope: str, gone: str
 ) -> None:
-    """k1's result statement is gone: the round trip fails before its COMMIT, in its
-    transaction, as a failure of the next claim would. Nothing of k1 committed, so it is a
-    failure to retry (not executed), and its retry runs it once."""
-    book = consumer(store, scope, {"k1": "consumer_idem_result"})
+    """k1's result statement (after the check, which noted the mark: the abort undoes that) or
+    its check itself is gone: the round trip fails before its COMMIT, in its transaction, as a
+    failure of the next claim would. Nothing of k1 committed, so it is a failure to retry (not
+    executed), and its retry runs it once."""
+    book = consumer(store, scope, {"k1": gone})
     verdicts = await book.process_batch(run(["k0", "k1", "k2"]))
     assert executed(verdicts[0]) and verdicts[1].action is Action.RETRY, verdicts
     assert len(verdicts) == 2  # the rest waits for k1, in order

@@ -245,9 +245,7 @@ async def test_round_trips_of_one_message_per_transaction(
     sent = await queries.during(consumer.process_batch(messages(run_id, range(10, 15))))
     assert len(sent) == 4 + 3 * 4 + 1, sent
     commits = sent[3::3][:4]
-    assert all(
-        "COMMIT; BEGIN; SET LOCAL" in s and "EXECUTE consumer_idem_claim" in s for s in commits
-    )
+    assert all("COMMIT; BEGIN; EXECUTE consumer_idem_claim" in s for s in commits)
     assert "BEGIN" not in sent[-2] and sent[-2].endswith("COMMIT"), sent  # the run's last
     sent = await queries.during(consumer.process_batch(messages(run_id, range(20, 25)), hook))
     assert len(sent) == 4 + 3 * 4 + 1, sent

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 
 from consumer_idem.commit import (
+    MARK_SETTING,
     commit,
     execute_and_commit,
     mark_lost,
-    mark_sql,
     new_mark,
     prepare_check_sql,
     rollback,
@@ -56,8 +56,9 @@ def dollar_quote(text: str) -> str:
 
 log = logging.getLogger("consumer_idem.stores.postgres.fast_path")
 
-#: set (session-level) to a transaction's mark just before a COMMIT that carries the next
-#: unit's claim: it outlives the transaction only if that COMMIT committed
+#: set (session-level) to a transaction's mark by the check of a COMMIT that carries the next
+#: unit's claim: it outlives the transaction only if that COMMIT committed (a setting made in a
+#: transaction that aborts is undone with it)
 DONE_SETTING = "consumer_idem.done"
 
 
@@ -99,6 +100,8 @@ class FastPath:
         self._plain_claims_skipped: dict[str, int] = {}
         self._result_stmt = f"consumer_idem_result_{store.schema}"
         self._check_stmt = f"consumer_idem_check_{store.schema}"
+        #: the check that also notes the mark in DONE_SETTING (before a COMMIT with a claim after)
+        self._check_done_stmt = f"consumer_idem_check_done_{store.schema}"
         #: per connection: the next unit's claim to send with this unit's COMMIT, and the one
         #: sent (its transaction open) that the next unit has not taken yet
         self._asked: dict[Any, Ahead] = {}
@@ -108,17 +111,25 @@ class FastPath:
         # Server-side prepared statements: the fast path sends simple-protocol queries (to batch
         # BEGIN/COMMIT with a statement), and those would otherwise be planned on every call.
         return {
+            # $5, the transaction's mark (see consumer_idem.commit), is set by the claim itself
+            # rather than by a SET LOCAL of its own: one statement fewer for Postgres to parse
+            # and run in every unit. The subquery yields its one row whatever the claim finds.
             self._claim_stmt: (
-                f"PREPARE {self._claim_stmt}(text, text, text, float8) AS"
+                f"PREPARE {self._claim_stmt}(text, text, text, float8, text) AS"
                 f" INSERT INTO {self.store.table} (scope, key, fingerprint, status, result_kind,"
-                " completed_at, expires_at) VALUES ($1, $2, $3, 'completed', 'success', now(),"
-                " now() + make_interval(secs => $4)) ON CONFLICT (scope, key) DO NOTHING"
+                " completed_at, expires_at) SELECT $1, $2, $3, 'completed', 'success', now(),"
+                " now() + make_interval(secs => $4) FROM (SELECT CASE WHEN $5 IS NOT NULL THEN"
+                f" set_config('{MARK_SETTING}', $5, true) END) AS marked"
+                " ON CONFLICT (scope, key) DO NOTHING"
             ),
             self._result_stmt: (
                 f"PREPARE {self._result_stmt}(text, text, text) AS"
                 f" UPDATE {self.store.table} SET result = $3::json WHERE scope = $1 AND key = $2"
             ),
             self._check_stmt: prepare_check_sql(self._check_stmt),
+            self._check_done_stmt: prepare_check_sql(
+                self._check_done_stmt, f"set_config('{DONE_SETTING}', $1, false)"
+            ),
         }
 
     def check(self, mark: str) -> str:
@@ -166,10 +177,10 @@ class FastPath:
         timeout = (
             "" if lock_timeout_ms is None else f"SET LOCAL lock_timeout = {int(lock_timeout_ms)}; "
         )
-        marked = "" if mark is None else f"{mark_sql(mark)}; "
+        marked = "NULL" if mark is None else f"'{mark}'"
         return (
-            f"BEGIN; {marked}{timeout}EXECUTE {self._claim_stmt}({dollar_quote(scope)},"
-            f" {dollar_quote(key)}, {dollar_quote(fingerprint)}, {retention_s!r})"
+            f"BEGIN; {timeout}EXECUTE {self._claim_stmt}({dollar_quote(scope)},"
+            f" {dollar_quote(key)}, {dollar_quote(fingerprint)}, {retention_s!r}, {marked})"
         )
 
     # --- the next unit's claim, in the round trip of this unit's COMMIT ---------------------
@@ -219,15 +230,15 @@ class FastPath:
         cannot be known (the connection is gone): the caller then classifies the failure as
         for a COMMIT alone.
 
-        Just before its COMMIT our transaction sets a session setting to its mark (see
-        :data:`DONE_SETTING`). A session-level setting made in a transaction lasts only if the
-        transaction commits, so once whatever is left open is rolled back, the setting on this
-        connection answers, whatever other sessions did meanwhile (a duplicate may have
-        committed the key the moment our claim row was gone)."""
+        Our transaction's check (the first statement of that round trip) sets a session setting
+        to its mark (see :data:`DONE_SETTING`). A session-level setting made in a transaction
+        lasts only if the transaction commits, so once whatever is left open is rolled back,
+        the setting on this connection answers, whatever other sessions did meanwhile (a
+        duplicate may have committed the key the moment our claim row was gone)."""
         if (
             mark_lost(exc)
             or isinstance(exc, asyncpg.InFailedSQLTransactionError)
-            or self._check_stmt in str(exc)
+            or self._check_done_stmt in str(exc)
         ):
             return False  # our check refused (or never ran): before our COMMIT
         try:
@@ -315,7 +326,13 @@ class FastPath:
         (:meth:`ask_ahead`) rides after the COMMIT. The check makes the
         COMMIT's own tag redundant: a transaction that passed it is not aborted, so its COMMIT
         either commits or raises."""
-        statements = [] if mark is None else [self.check(mark)]
+        ahead = self._asked.pop(conn, None)
+        if mark is None:  # (no mark, no check: the COMMIT's tag is read)
+            statements = []
+        elif ahead is None:
+            statements = [self.check(mark)]
+        else:  # the check notes the mark too, which lasts only if the COMMIT commits
+            statements = [run_check_sql(self._check_done_stmt, mark)]
         where = f" WHERE scope = {dollar_quote(scope)} AND key = {dollar_quote(key)}"
         if response is not None:
             # literals, not parameters: a simple query can carry the COMMIT in the same round
@@ -333,8 +350,7 @@ class FastPath:
             )
         if then:
             statements.append(then)
-        ahead = self._asked.pop(conn, None)
-        if ahead is None or mark is None:  # (no mark, no check: the COMMIT's tag is read)
+        if ahead is None or mark is None:
             if statements:
                 await execute_and_commit(conn, "; ".join(statements))
             else:
@@ -343,7 +359,6 @@ class FastPath:
         begin = self._begin_and_claim_sql(
             ahead.scope, ahead.key, ahead.fingerprint, ahead.retention, None, ahead.mark
         )
-        statements.append(f"SELECT set_config('{DONE_SETTING}', '{mark}', false)")
         try:
             status = await conn.execute(f"{'; '.join(statements)}; COMMIT; {begin}")
         except Exception as exc:  # not a cancellation: that is the caller's to handle
