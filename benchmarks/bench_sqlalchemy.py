@@ -1,7 +1,9 @@
 """Transactional executions whose effect is written through a bound SQLAlchemy ``AsyncSession``
 (an ORM object added and flushed, the store on the application's engine: one pool) against
 the same effect written with raw asyncpg on the handler's connection (the store on an asyncpg
-pool), same run, same database."""
+pool), same run, same database. ``sqlalchemy.session_alone.c1``, a reference: the same ORM write
+in a plain session of its own (its own BEGIN and COMMIT, no idempotency) against the same raw
+idempotent unit, which shows how much of the gap is SQLAlchemy's own cost."""
 
 from __future__ import annotations
 
@@ -69,9 +71,26 @@ async def run(per_chunk: int = 300, chunks: int = 20) -> list[dict[str, Any]]:
 
             return await rate(op, per_chunk, 1)
 
+        async def alone(r: int) -> float:
+            """The same ORM write in a session of its own, with no idempotency at all: what
+            SQLAlchemy itself costs against the raw idempotent unit (a reference)."""
+            prefix = f"bench-alone-{uuid.uuid4().hex[:6]}"
+
+            async def op(i: int) -> None:
+                async with AsyncSession(engine, expire_on_commit=False) as session:
+                    session.add(Effect(id=f"{prefix}-{i}", customer_id="c1", amount_cents=100))
+                    await session.commit()
+
+            return await rate(op, per_chunk, 1)
+
         await raw(-1)  # warm-up: connections, prepared statements, compiled SQL, table pages
         await orm(-1)
+        await alone(-1)
         base, subject = await interleaved(chunks, raw, orm)
+        reference, session_alone = await interleaved(chunks // 2, raw, alone)
         await engine.dispose()
         await pool.close()
-    return [entry("store.transactional.sqlalchemy.c1", subject, "ops/s", base)]
+    return [
+        entry("store.transactional.sqlalchemy.c1", subject, "ops/s", base),
+        entry("sqlalchemy.session_alone.c1", session_alone, "ops/s", reference),
+    ]
