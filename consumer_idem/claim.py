@@ -73,6 +73,7 @@ from consumer_idem.errors import (
 from consumer_idem.outbox import UnitOutbox, close_units, committed, open_unit
 from consumer_idem.stores.base import Store
 from consumer_idem.stores.postgres.errors import is_database_outage
+from consumer_idem.stores.postgres.migrate import per_schema_name
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.stores.results import encode_result
 from consumer_idem.types import (
@@ -849,8 +850,8 @@ def _digest(scope: str, key: str) -> str:
 
 
 def _channel(store: PostgresStore) -> str:
-    # Postgres cuts identifiers at 63 bytes; LISTEN and NOTIFY must name the same channel
-    return f"consumer_idem_done_{store.schema}"[:63]
+    # within Postgres' 63 bytes, and one of its own for each schema
+    return per_schema_name("consumer_idem_done", store.schema)
 
 
 def notify_sql(store: PostgresStore, scope: str, key: str) -> str:

@@ -25,6 +25,7 @@ from consumer_idem import (
     idempotent_consumer,
 )
 from consumer_idem.consumer import Action, IdempotentConsumer, Verdict
+from consumer_idem.stores.postgres.migrate import per_schema_name
 from tests._racing import DuplicateOnRollback, insert_completed
 
 
@@ -59,7 +60,7 @@ def consumer(
         key = msg.json()["key"]
         await conn.execute("INSERT INTO ahead_effects VALUES ($1, $2)", scope, key)
         if key in deallocate:
-            await conn.execute(f"DEALLOCATE {deallocate[key]}_{store.schema}")
+            await conn.execute(f"DEALLOCATE {per_schema_name(deallocate[key], store.schema)}")
             then()
         return {"booked": key}
 

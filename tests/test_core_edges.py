@@ -406,7 +406,7 @@ async def test_a_connection_that_lost_the_commit_check_heals_and_never_misreport
     async with pg_pool.acquire() as conn:
         first = await run_transactional(store, scope, "k0", FP, work("k0"), conn=conn)
         assert first.kind is OutcomeKind.EXECUTED  # the statements are prepared on conn now
-        await conn.execute(f"DEALLOCATE consumer_idem_check_{store.schema}")
+        await conn.execute(f"DEALLOCATE {store.fast_path._check_stmt}")
         lost = await run_transactional(store, scope, "k1", FP, work("k1", then), conn=conn)
         record = await store.get(scope, "k1")
         if then:  # the work's COMMIT committed its write and our completed claim

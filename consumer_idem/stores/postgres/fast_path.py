@@ -29,6 +29,7 @@ from consumer_idem.commit import (
     run_check_sql,
 )
 from consumer_idem.errors import KeyInFlight
+from consumer_idem.stores.postgres.migrate import per_schema_name
 from consumer_idem.stores.results import encode_result
 from consumer_idem.types import Record, ResultKind, Status, StoredResponse
 
@@ -95,13 +96,13 @@ class FastPath:
 
     def __init__(self, store: PostgresStore) -> None:
         self.store = store
-        self._claim_stmt = f"consumer_idem_claim_{store.schema}"
+        self._claim_stmt = per_schema_name("consumer_idem_claim", store.schema)
         #: per scope: batches left that claim with ON CONFLICT straight away (after a conflict)
         self._plain_claims_skipped: dict[str, int] = {}
-        self._result_stmt = f"consumer_idem_result_{store.schema}"
-        self._check_stmt = f"consumer_idem_check_{store.schema}"
+        self._result_stmt = per_schema_name("consumer_idem_result", store.schema)
+        self._check_stmt = per_schema_name("consumer_idem_check", store.schema)
         #: the check that also notes the mark in DONE_SETTING (before a COMMIT with a claim after)
-        self._check_done_stmt = f"consumer_idem_check_done_{store.schema}"
+        self._check_done_stmt = per_schema_name("consumer_idem_check_done", store.schema)
         #: per connection: the next unit's claim to send with this unit's COMMIT, and the one
         #: sent (its transaction open) that the next unit has not taken yet
         self._asked: dict[Any, Ahead] = {}

@@ -6,6 +6,7 @@ holds an advisory lock, so several processes starting together migrate exactly o
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -21,6 +22,19 @@ def validate_schema(schema: str) -> str:
     if not _IDENT.match(schema):
         raise ValueError(f"invalid schema name {schema!r}: use [a-z_][a-z0-9_]*, at most 63 chars")
     return schema
+
+
+def per_schema_name(prefix: str, schema: str) -> str:
+    """An identifier of the library's own for one store (a prepared statement, a NOTIFY
+    channel): ``<prefix>_<schema>``, unless that passes PostgreSQL's 63 bytes, which it would
+    cut silently (two long schemas with a common start would then share one prepared statement
+    on a connection: one store's claim written into the other's table). A longer one is
+    ``<prefix>$<digest of the schema>``: no schema name holds a ``$``, so the two forms never
+    meet."""
+    name = f"{prefix}_{schema}"
+    if len(name) <= 63:
+        return name
+    return f"{prefix}${hashlib.sha256(schema.encode()).hexdigest()[: 62 - len(prefix)]}"
 
 
 @dataclass(frozen=True)
