@@ -234,13 +234,20 @@ class Maintenance:
             f"FROM {store.table} WHERE expires_at < now() AND expires_at >= $2"
             f" AND status IN {live} ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED"
         )
+        # What comes back is one row per scope (its count, the batch's last expiry, and the
+        # keys only when a cache must drop them), not one per record: a batch is then a few
+        # rows for the client to read, whatever its size, which matters when the prune shares
+        # an event loop with live work.
+        keys = ", array_agg(key) AS keys" if store.cache is not None else ""
+        summary = f"SELECT scope, count(*) AS n, max(expires_at) AS last{keys} FROM done"
         if policy is PrunePolicy.DELETE:
             # MATERIALIZED, as in sweep: evaluated once, so LIMIT bounds the batch
             sql = (
-                f"WITH d AS MATERIALIZED (SELECT scope, key {due})"
-                f" DELETE FROM {store.table} t USING d"
+                f"WITH d AS MATERIALIZED (SELECT scope, key {due}),"
+                f" done AS (DELETE FROM {store.table} t USING d"
                 " WHERE t.scope = d.scope AND t.key = d.key"
-                " RETURNING t.scope, t.key, t.expires_at"
+                " RETURNING t.scope, t.key, t.expires_at)"
+                f" {summary} GROUP BY scope"
             )
             args: tuple[Any, ...] = (batch_size,)
         else:
@@ -250,9 +257,10 @@ class Maintenance:
                 " AND t.key = d.key AND d.status = 'expired' RETURNING t.scope, t.key),"
                 f" soft AS (UPDATE {store.table} t SET status = 'expired', updated_at = now(),"
                 " expires_at = now() + $3::interval FROM d WHERE t.scope = d.scope"
-                " AND t.key = d.key AND d.status <> 'expired' RETURNING t.scope, t.key)"
-                " SELECT d.scope, d.key, d.expires_at FROM d JOIN (SELECT scope, key FROM gone"
-                " UNION ALL SELECT scope, key FROM soft) done USING (scope, key)"
+                " AND t.key = d.key AND d.status <> 'expired' RETURNING t.scope, t.key),"
+                " done AS (SELECT d.scope, d.key, d.expires_at FROM d JOIN (SELECT scope, key"
+                " FROM gone UNION ALL SELECT scope, key FROM soft) changed USING (scope, key))"
+                f" {summary} GROUP BY scope"
             )
             args = (batch_size, seconds(audit_retention))
         report = PruneReport(policy=policy)
@@ -264,25 +272,28 @@ class Maintenance:
             async def batch(c: Any, a: tuple[Any, ...] = batch_args) -> list[Any]:
                 return list(await c.fetch(sql, *a, timeout=store.command_timeout))
 
-            rows = await store.run("prune", "", None, batch)
+            scopes = await store.run("prune", "", None, batch)
             elapsed = time.perf_counter() - started
-            if rows:
-                after = max(r["expires_at"] for r in rows)
-            for scope, n in Counter(r["scope"] for r in rows).items():
-                store.metrics.inc("pruned", scope, n)
+            pruned = sum(r["n"] for r in scopes)
+            if scopes:
+                after = max(r["last"] for r in scopes)
+            for r in scopes:
+                store.metrics.inc("pruned", r["scope"], r["n"])
             if store.cache is not None:  # expired records are never replayed: drop them
-                await store.cache.drop_expired((r["scope"], r["key"]) for r in rows)
+                await store.cache.drop_expired(
+                    (r["scope"], key) for r in scopes for key in r["keys"]
+                )
             report = replace(
                 report,
-                rows=report.rows + len(rows),
+                rows=report.rows + pruned,
                 batches=report.batches + 1,
                 longest_statement_s=max(report.longest_statement_s, elapsed),
                 # a full last batch under max_batches: there may be more
-                finished=len(rows) < batch_size,
+                finished=pruned < batch_size,
             )
             if on_batch is not None:
                 on_batch(report)
-            if len(rows) < batch_size or (stop is not None and stop.is_set()):
+            if pruned < batch_size or (stop is not None and stop.is_set()):
                 break
         return report
 
