@@ -99,7 +99,7 @@ async def test_a_next_claim_that_fails_after_the_commit_leaves_the_unit_executed
         assert record.result == {"booked": key}
 
 
-@pytest.mark.parametrize("gone", ["consumer_idem_result", "consumer_idem_check_done"])
+@pytest.mark.parametrize("gone", ["consumer_idem_result", "consumer_idem_checkdone"])
 async def test_a_failure_before_the_commit_is_never_taken_for_one_after_it(
     store: PostgresStore, pg_pool: asyncpg.Pool, ahead_effects: None, scope: str, gone: str
 ) -> None:

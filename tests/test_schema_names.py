@@ -5,6 +5,7 @@ store's, or into a name the library then cannot find again."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any
 
@@ -18,8 +19,10 @@ from consumer_idem import (
     idempotent_consumer,
     run_transactional,
 )
+from consumer_idem.commit import run_check_sql
 from consumer_idem.consumer import Action
 from consumer_idem.stores.postgres.migrate import per_schema_name, validate_schema
+from consumer_idem.testing.faults import LIBRARY_COMMIT, Point, point_of
 
 FP = "v1:jcs:schema-names"
 
@@ -30,16 +33,45 @@ async def migrated(pool: asyncpg.Pool, schema: str) -> PostgresStore:
     return store
 
 
-def test_names_are_whole_and_distinct_for_long_schemas() -> None:
+def test_names_are_whole_and_distinct_for_long_schemas(pg_pool: asyncpg.Pool) -> None:
     common = "s" * 44
-    names = {
-        per_schema_name(prefix, schema)
-        for prefix in ("consumer_idem_claim", "consumer_idem_check", "consumer_idem_check_done")
-        for schema in (common + "aaaa", common + "bbbb", "short", "s" * 63)
-    }
-    assert len(names) == 12
+    schemas = [common + "aaaa", common + "bbbb", "short", "done_short", "s" * 63, "x"]
+    stores = [PostgresStore(pg_pool, schema=s) for s in schemas]
+    names = [
+        name
+        for store in stores
+        for name in (
+            store.fast_path._claim_stmt,
+            store.fast_path._result_stmt,
+            store.fast_path._check_stmt,
+            store.fast_path._check_done_stmt,
+        )
+    ]
+    # (a check named for schema "done_short" was once the check_done of schema "short")
+    assert len(set(names)) == len(names), sorted(names)
     assert all(len(n) <= 63 for n in names)
     assert per_schema_name("consumer_idem_claim", "short") == "consumer_idem_claim_short"
+
+
+def test_a_schema_with_a_trailing_newline_is_refused() -> None:
+    """A newline in an unquoted identifier is whitespace to PostgreSQL: "orders\n" would name
+    the statements of schema "orders" (and a pattern's "$" matches before a final newline)."""
+    with pytest.raises(ValueError, match="invalid schema name"):
+        validate_schema("orders\n")
+    with pytest.raises(ValueError, match="invalid schema name"):
+        PostgresStore(asyncpg.Pool.__new__(asyncpg.Pool), schema="orders\n")
+
+
+def test_the_fault_kit_knows_the_statements_of_a_long_schema(pg_pool: asyncpg.Pool) -> None:
+    """The testing kit places faults by the library's statement names, in both forms."""
+    for schema in ("short", "s" * 63):
+        fast = PostgresStore(pg_pool, schema=schema).fast_path
+        claim = fast._begin_and_claim_sql("scope", "k", FP, None, None, "00ff")
+        assert point_of(claim) is Point.CLAIM, claim
+        ahead = f"{run_check_sql(fast._check_done_stmt, '00ff')}; COMMIT; {claim}"
+        assert point_of(ahead) is Point.COMMIT, ahead
+        assert re.search(LIBRARY_COMMIT, ahead)
+        assert re.search(LIBRARY_COMMIT, fast.check("00ff"))
 
 
 async def test_two_stores_whose_schemas_share_a_long_start_keep_their_claims_apart(

@@ -46,10 +46,10 @@ class Kind(StrEnum):
     CANCEL = "cancel"  #: the running task is cancelled at this point (shutdown, a timeout)
 
 
-_CLAIM = re.compile(r"consumer_idem_claim_|\.reserve\(|unnest\(\$2::text\[\], \$3::text\[\]\)")
+_CLAIM = re.compile(r"consumer_idem_claim[_$]|\.reserve\(|unnest\(\$2::text\[\], \$3::text\[\]\)")
 _COMPLETE = re.compile(
     r"SET status = 'completed'|SET result = |status = 'failed_retryable'|status = 'unknown'"
-    r"|consumer_idem_result_|INSERT INTO .*idempotency_records AS t"
+    r"|consumer_idem_result[_$]|INSERT INTO .*idempotency_records AS t"
 )
 
 #: plumbing, not a step: preparing the fast path's statements, opening or abandoning a
@@ -66,17 +66,17 @@ _PLUMBING = (
 #: the library's own COMMIT of a transactional unit: it checks the transaction's mark first
 #: (``consumer_idem.commit.check_sql``, or its prepared form); a handler's own bare ``COMMIT``
 #: does not
-LIBRARY_COMMIT = r"consumer_idem\.tx|EXECUTE consumer_idem_check_"
+LIBRARY_COMMIT = r"consumer_idem\.tx|EXECUTE consumer_idem_check(done)?[_$]"
 
 
 def point_of(sql: str) -> Point | None:
     """Which boundary a statement is (the last one it touches, for batched statements), or
     ``None`` for plumbing that is no step of its own."""
     text = sql.strip().rstrip(";").upper()
-    if text.endswith("COMMIT") or ("; COMMIT; BEGIN; " in text and "CONSUMER_IDEM_CLAIM_" in text):
+    if text.endswith("COMMIT") or ("; COMMIT; BEGIN; " in text and "CONSUMER_IDEM_CLAIM" in text):
         # (a unit's COMMIT with the next unit's BEGIN and claim after it: the COMMIT is the step)
         return Point.COMMIT
-    if text.startswith(_PLUMBING) and "CONSUMER_IDEM_CLAIM_" not in text:
+    if text.startswith(_PLUMBING) and "CONSUMER_IDEM_CLAIM" not in text:
         return None
     if _CLAIM.search(sql):
         return Point.CLAIM

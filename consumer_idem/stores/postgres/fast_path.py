@@ -102,7 +102,7 @@ class FastPath:
         self._result_stmt = per_schema_name("consumer_idem_result", store.schema)
         self._check_stmt = per_schema_name("consumer_idem_check", store.schema)
         #: the check that also notes the mark in DONE_SETTING (before a COMMIT with a claim after)
-        self._check_done_stmt = per_schema_name("consumer_idem_check_done", store.schema)
+        self._check_done_stmt = per_schema_name("consumer_idem_checkdone", store.schema)
         #: per connection: the next unit's claim to send with this unit's COMMIT, and the one
         #: sent (its transaction open) that the next unit has not taken yet
         self._asked: dict[Any, Ahead] = {}

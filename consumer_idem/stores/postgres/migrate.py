@@ -13,13 +13,15 @@ from importlib import resources
 
 import asyncpg
 
-_IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+_IDENT = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 _FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
 
 def validate_schema(schema: str) -> str:
     """The schema name is put into SQL text, so only plain lower-case identifiers are allowed."""
-    if not _IDENT.match(schema):
+    # fullmatch: "$" in a pattern also matches before a trailing newline, and a newline in an
+    # unquoted identifier (a prepared statement's name) is whitespace to PostgreSQL
+    if not _IDENT.fullmatch(schema):
         raise ValueError(f"invalid schema name {schema!r}: use [a-z_][a-z0-9_]*, at most 63 chars")
     return schema
 
@@ -30,7 +32,9 @@ def per_schema_name(prefix: str, schema: str) -> str:
     cut silently (two long schemas with a common start would then share one prepared statement
     on a connection: one store's claim written into the other's table). A longer one is
     ``<prefix>$<digest of the schema>``: no schema name holds a ``$``, so the two forms never
-    meet."""
+    meet. No prefix may be another's followed by ``_`` (``consumer_idem_check`` and
+    ``consumer_idem_check_done`` would name the same statement for schemas ``done_x`` and
+    ``x``)."""
     name = f"{prefix}_{schema}"
     if len(name) <= 63:
         return name
