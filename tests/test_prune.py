@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Callable
 
 import asyncpg
+import pytest
 
 from consumer_idem import PostgresStore, PruneReport
 
@@ -53,3 +54,9 @@ async def test_prune_100k_expired_rows_in_short_batches_from_three_pruners(
     assert batches >= 100 and max(largest) <= 1000  # each statement locks at most one batch
     left = await pg_pool.fetchval(f"SELECT count(*) FROM {store.table} WHERE scope = $1", scope)
     assert left == 100
+
+
+async def test_a_batch_size_below_one_is_refused(store: PostgresStore) -> None:
+    """A batch of none deletes nothing and never finishes: refused before any statement."""
+    with pytest.raises(ValueError, match="batch_size must be at least 1"):
+        await asyncio.wait_for(store.maintenance.prune(batch_size=0), 5)

@@ -223,6 +223,8 @@ class Maintenance:
         those still need an owner or an operator. With ``SOFT``, completed and failed records
         become ``expired`` (kept ``audit_retention`` longer, never replayed) and expired ones
         are deleted. ``stop``: set it to end after the batch in hand (``finished`` False)."""
+        if batch_size < 1:  # a batch of none would never finish
+            raise ValueError(f"batch_size must be at least 1, not {batch_size}")
         store = self.store
         live = "('completed', 'failed_retryable', 'expired')"
         # Oldest first, along the expiry index, each batch starting where the last one ended
