@@ -729,3 +729,45 @@ async def test_a_handler_that_makes_its_transaction_read_only_fails_its_attempts
         first,
         second,
     )
+
+
+@pytest.mark.parametrize("batch", [False, True])
+async def test_a_handler_left_read_only_that_writes_nothing_fails_its_attempts(
+    store: PostgresStore, scope: str, batch: bool
+) -> None:
+    """The handler writes nothing itself but leaves its transaction read-only: the library's
+    own completion is then what the database refuses (on a key re-acquired after a failure,
+    and in batch mode). That is the unit's failure, counted, not a wait for ever."""
+    calls = 0
+
+    async def sulk(conn: asyncpg.Connection) -> dict[str, int]:
+        nonlocal calls
+        calls += 1
+        await conn.execute("SET TRANSACTION READ ONLY")
+        if calls == 1 and not batch:
+            raise RuntimeError("the first attempt fails: the retry re-acquires the key")
+        return {"ok": 1}
+
+    if batch:
+
+        @idempotent_consumer(store, scope=scope, max_attempts=2, backoff=(0.01, 0.05), batch=True)
+        async def many(
+            messages: list[ConsumerMessage], conn: asyncpg.Connection
+        ) -> list[dict[str, int]]:
+            return [await sulk(conn)] * len(messages)  # results: the library writes them
+
+        run = many.process_batch
+    else:
+
+        @idempotent_consumer(store, scope=scope, max_attempts=2, backoff=(0.01, 0.05))
+        async def one(message: ConsumerMessage, conn: asyncpg.Connection) -> dict[str, int]:
+            return await sulk(conn)
+
+        run = one.process_batch
+    verdicts: list[Any] = []
+    for _ in range(4):
+        verdicts = await run([msg("k1", {"n": 1}), msg("k2", {"n": 2})])
+        if all(v.action is Action.DEAD_LETTER for v in verdicts):
+            break
+    assert verdicts and all(v.action is Action.DEAD_LETTER for v in verdicts), verdicts
+    assert all(v.reason != "store_unavailable" for v in verdicts), verdicts
