@@ -21,15 +21,12 @@ from consumer_idem.errors import (
 #: deadlock), insufficient resources, operator intervention (shutdown, statement cancelled)
 _TRANSIENT_CLASSES = ("08", "40", "53", "57")
 #: lock not available (lock_timeout), object in use. Not 25P02 (in failed transaction): that
-#: names an earlier statement of the same transaction, usually one a handler swallowed
-_TRANSIENT_STATES = ("55P03", "55006", "58000", "58030")  # + system error, I/O error
-#: A write in a read-only transaction. When it refuses a unit's claim (nothing of the handler
-#: has run in the transaction yet), the database or the session is read-only: a standby the
-#: DSN still points at after a failover, a session made read-only. That says nothing of the
-#: message, and dead-lettering every delivery until someone notices is worse than waiting.
-#: Later in a unit only the handler can have made its transaction read-only, and that
-#: happens again on every attempt: the unit's failure, not an outage.
+#: names an earlier statement of the same transaction, usually one a handler swallowed.
+#: 25006, a write in a read-only transaction: a standby (a failover the DSN has not followed
+#: yet) or a session made read-only; it says nothing of the message, and dead-lettering every
+#: delivery until someone notices is worse than waiting
 READ_ONLY = "25006"
+_TRANSIENT_STATES = ("55P03", "55006", "58000", "58030", READ_ONLY)  # + system error, I/O error
 #: what asyncpg says of a connection that is gone, across versions
 _GONE = ("closed", "released back to the pool", "terminat", "connection was lost", "not connected")
 
@@ -46,9 +43,8 @@ def connection_gone(exc: BaseException) -> bool:
 _SCHEMA_STATES = ("42P01", "42883", "42703", "3F000")
 
 
-def kind_of(exc: BaseException, *, claiming: bool = False) -> type[ConsumerIdemError]:
-    """The library error a database failure maps to. ``claiming``: ``exc`` refused a unit's
-    claim, before anything of the unit ran (see :data:`READ_ONLY`)."""
+def kind_of(exc: BaseException) -> type[ConsumerIdemError]:
+    """The library error a database failure maps to."""
     if isinstance(exc, ConsumerIdemError):
         return type(exc)  # classified already
     if isinstance(exc, OSError | TimeoutError | asyncpg.PostgresConnectionError):
@@ -66,8 +62,6 @@ def kind_of(exc: BaseException, *, claiming: bool = False) -> type[ConsumerIdemE
         if state in _SCHEMA_STATES:
             return SchemaMissing
         if state[:2] in _TRANSIENT_CLASSES or state in _TRANSIENT_STATES:
-            return StoreUnavailable
-        if claiming and state == READ_ONLY:
             return StoreUnavailable
         return StoreRejected
     if isinstance(exc, UnicodeError | ValueError | TypeError):
@@ -92,4 +86,8 @@ def is_database_outage(exc: BaseException) -> bool:
     statement failing on a lock timeout, a statement timeout, a deadlock, a serialization
     failure or a dropped connection. Anything else a handler raises is its own failure."""
     driver = isinstance(exc, asyncpg.PostgresError | asyncpg.InterfaceError)
-    return driver and kind_of(exc) is StoreUnavailable
+    # Not a read-only transaction: the claim wrote in this same transaction, so the database
+    # took writes; only the handler can have made it read-only (SET TRANSACTION READ ONLY),
+    # and that fails the same way every time.
+    read_only = getattr(exc, "sqlstate", None) == READ_ONLY
+    return driver and not read_only and kind_of(exc) is StoreUnavailable

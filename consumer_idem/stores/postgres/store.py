@@ -49,10 +49,6 @@ log = logging.getLogger("consumer_idem.stores.postgres.store")
 
 T = TypeVar("T")
 
-#: the operations that open a unit: nothing of its handler has run in their transaction yet
-#: (see ``stores.postgres.errors.READ_ONLY``)
-CLAIMING = frozenset({"claim", "claim_many", "reserve"})
-
 
 class Acquiring(Protocol):
     """A pending checkout: awaited for a connection, or used as ``async with``."""
@@ -146,7 +142,7 @@ class PostgresStore(StoreBase):
     def error_for(self, operation: str, exc: BaseException, scope: str = "") -> ConsumerIdemError:
         """The library error for a failed store operation: :class:`StoreUnavailable` for an
         outage, :class:`SchemaMissing` or :class:`StoreRejected` for what waiting cannot fix."""
-        kind = pg_errors.kind_of(exc, claiming=operation in CLAIMING)
+        kind = pg_errors.kind_of(exc)
         self.metrics.inc("store_error", scope)
         log.warning(
             "store %s failed (%s): %s: %s",
