@@ -709,23 +709,3 @@ async def test_a_read_only_database_is_waited_out_not_dead_lettered(
     again = await consumer(store).process_batch(batch)
     assert [v.action for v in again] == [Action.ACK, Action.ACK], again
     assert await rows(store.pool, scope) == {"k1": 1, "k2": 1}
-
-
-async def test_a_handler_that_makes_its_transaction_read_only_fails_its_attempts(
-    store: PostgresStore, ledger: str, scope: str
-) -> None:
-    """A read-only refusal of the handler's own write is the handler's doing (the claim wrote
-    in the same transaction): a failed attempt, dead-lettered after max_attempts, not a wait
-    for the store that would retry it for ever."""
-
-    @idempotent_consumer(store, scope=scope, max_attempts=2, backoff=(0.01, 0.05))
-    async def book(message: ConsumerMessage, conn: asyncpg.Connection) -> None:
-        await conn.execute("SET TRANSACTION READ ONLY")
-        await conn.execute("INSERT INTO edge_ledger VALUES ($1, 'k', 1)", scope)
-
-    first = await book.process(msg("k", {"n": 1}))
-    second = await book.process(msg("k", {"n": 1}))
-    assert first.reason == "failed_retryable" and second.action is Action.DEAD_LETTER, (
-        first,
-        second,
-    )

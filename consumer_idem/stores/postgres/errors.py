@@ -25,8 +25,7 @@ _TRANSIENT_CLASSES = ("08", "40", "53", "57")
 #: 25006, a write in a read-only transaction: a standby (a failover the DSN has not followed
 #: yet) or a session made read-only; it says nothing of the message, and dead-lettering every
 #: delivery until someone notices is worse than waiting
-READ_ONLY = "25006"
-_TRANSIENT_STATES = ("55P03", "55006", "58000", "58030", READ_ONLY)  # + system error, I/O error
+_TRANSIENT_STATES = ("55P03", "55006", "58000", "58030", "25006")  # + system error, I/O error
 #: what asyncpg says of a connection that is gone, across versions
 _GONE = ("closed", "released back to the pool", "terminat", "connection was lost", "not connected")
 
@@ -86,8 +85,4 @@ def is_database_outage(exc: BaseException) -> bool:
     statement failing on a lock timeout, a statement timeout, a deadlock, a serialization
     failure or a dropped connection. Anything else a handler raises is its own failure."""
     driver = isinstance(exc, asyncpg.PostgresError | asyncpg.InterfaceError)
-    # Not a read-only transaction: the claim wrote in this same transaction, so the database
-    # took writes; only the handler can have made it read-only (SET TRANSACTION READ ONLY),
-    # and that fails the same way every time.
-    read_only = getattr(exc, "sqlstate", None) == READ_ONLY
-    return driver and not read_only and kind_of(exc) is StoreUnavailable
+    return driver and kind_of(exc) is StoreUnavailable
