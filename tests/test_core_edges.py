@@ -677,35 +677,3 @@ async def test_a_two_phase_poison_message_is_dead_lettered_not_parked(
     assert corrected.action is Action.ACK and charged == [5]
     record = await store.get(scope, "k")
     assert record is not None and record.status is Status.COMPLETED
-
-
-async def test_a_read_only_database_is_waited_out_not_dead_lettered(
-    pg_dsn: str, store: PostgresStore, ledger: str, scope: str
-) -> None:
-    """Writes refused because the transaction is read-only (a standby the DSN still points at
-    after a failover, a session made read-only) say nothing of the message: the deliveries wait
-    (retry, the store unavailable) rather than going to the dead-letter topic one by one, and
-    run once the database takes writes again."""
-    standby = await asyncpg.create_pool(
-        pg_dsn, min_size=1, max_size=2, server_settings={"default_transaction_read_only": "on"}
-    )
-    assert standby is not None
-
-    def consumer(on: PostgresStore) -> Any:
-        @idempotent_consumer(on, scope=scope)
-        async def book(message: ConsumerMessage, conn: asyncpg.Connection) -> None:
-            key = message.json()["k"]
-            await conn.execute("INSERT INTO edge_ledger VALUES ($1, $2, 1)", scope, key)
-
-        return book
-
-    batch = [msg("k1", {"k": "k1"}), msg("k2", {"k": "k2"})]
-    try:
-        verdicts = await consumer(PostgresStore(standby)).process_batch(batch)
-    finally:
-        await standby.close()
-    assert verdicts and all(v.action is Action.RETRY for v in verdicts), verdicts
-    assert {v.reason for v in verdicts} == {"store_unavailable"}, verdicts
-    again = await consumer(store).process_batch(batch)
-    assert [v.action for v in again] == [Action.ACK, Action.ACK], again
-    assert await rows(store.pool, scope) == {"k1": 1, "k2": 1}

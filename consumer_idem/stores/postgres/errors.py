@@ -21,11 +21,8 @@ from consumer_idem.errors import (
 #: deadlock), insufficient resources, operator intervention (shutdown, statement cancelled)
 _TRANSIENT_CLASSES = ("08", "40", "53", "57")
 #: lock not available (lock_timeout), object in use. Not 25P02 (in failed transaction): that
-#: names an earlier statement of the same transaction, usually one a handler swallowed.
-#: 25006, a write in a read-only transaction: a standby (a failover the DSN has not followed
-#: yet) or a session made read-only; it says nothing of the message, and dead-lettering every
-#: delivery until someone notices is worse than waiting
-_TRANSIENT_STATES = ("55P03", "55006", "58000", "58030", "25006")  # + system error, I/O error
+#: names an earlier statement of the same transaction, usually one a handler swallowed
+_TRANSIENT_STATES = ("55P03", "55006", "58000", "58030")  # + system error, I/O error
 #: what asyncpg says of a connection that is gone, across versions
 _GONE = ("closed", "released back to the pool", "terminat", "connection was lost", "not connected")
 
