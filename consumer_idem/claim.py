@@ -574,7 +574,22 @@ class TransactionalClaim:
             decision = await store.reserve(
                 scope, key, self.fingerprint, retention=self.retention, conn=self.conn
             )
-            return outcome_of(decision)
+            if decision.kind is not DecisionKind.EXECUTE:
+                return outcome_of(decision)
+            # Nobody does: the key was `expired` (soft-pruned), which the rollback of our claim
+            # restored, and the reservation has just re-acquired it for us. Its lease is ours:
+            # complete it with our result, or it would sit in progress until the sweeper parks
+            # it as unknown.
+            assert decision.token is not None
+            record = await store.complete(
+                scope,
+                key,
+                decision.token,
+                exc.result,
+                result_kind=ResultKind.DOMAIN_ERROR,
+                retention=self.retention,
+                conn=self.conn,
+            )
         return Outcome(
             kind=OutcomeKind.EXECUTED,
             scope=scope,

@@ -278,3 +278,27 @@ async def test_keys_and_results_that_look_like_sql_quoting_round_trip(
     record = await store.get(scope, key)
     assert record is not None and record.key == key
     assert await count_effects(pg_pool, scope, key) == 1
+
+
+async def test_a_domain_error_on_a_soft_pruned_key_is_stored_and_replayed(
+    store: PostgresStore, pg_pool: asyncpg.Pool, effects: str, scope: str
+) -> None:
+    """A key soft-pruned to `expired` is new work again. When that work ends in a domain error,
+    the rollback of its claim restores the `expired` row: the domain result must still be
+    stored (not a lease left in progress, nor an error out of the unit)."""
+    first = await run_transactional(store, scope, "k", FP, writer(scope, "k"))
+    assert first.kind is OutcomeKind.EXECUTED
+    await pg_pool.execute(
+        f"UPDATE {store.table} SET status = 'expired' WHERE scope = $1 AND key = 'k'", scope
+    )
+
+    async def declined(conn: asyncpg.Connection) -> Any:
+        raise DomainError({"error": "card_declined"})
+
+    outcome = await run_transactional(store, scope, "k", FP, declined)
+    assert outcome.kind is OutcomeKind.EXECUTED, outcome
+    assert outcome.result_kind is ResultKind.DOMAIN_ERROR
+    record = await store.get(scope, "k")
+    assert record is not None and record.status is Status.COMPLETED, record
+    dup = await run_transactional(store, scope, "k", FP, writer(scope, "k"))
+    assert dup.kind is OutcomeKind.REPLAYED and dup.result == {"error": "card_declined"}
