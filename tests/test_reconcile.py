@@ -25,7 +25,9 @@ from consumer_idem import (
     idempotent_consumer,
 )
 from consumer_idem.cli.settings import Settings
+from consumer_idem.errors import StoreRejected
 from consumer_idem.operations.reconcile import Reconciler, StillUnknown, Sweeper
+from consumer_idem.testing.broker import MemoryTransport
 from consumer_idem.transports.kafka import KafkaRunner
 from consumer_idem.types import Record
 from tests._payments import read_topic, send_raw, wait_until
@@ -328,3 +330,44 @@ async def test_rabbit_not_executed_redispatches_to_the_source_queue(
         for name in (queue, f"{queue}.dlq", reconcile, f"{reconcile}.operator", f"{reconcile}.dlq"):
             await channel.queue_delete(name)
         await connection.close()
+
+
+async def test_the_sweeper_outlives_a_pass_the_store_refused(
+    store: PostgresStore, pg_pool: asyncpg.Pool, scope: str
+) -> None:
+    """One sweep pass refused by the store (not an outage) is logged and tried again at the
+    next interval: a sweeper that ended there would leave expired leases unparked until a
+    restart."""
+    await pg_pool.execute(
+        f"INSERT INTO {store.table} (scope, key, fingerprint, status, owner_token, locked_until,"
+        " expires_at) VALUES ($1, 'zombie', 'v1:jcs:x', 'in_progress', gen_random_uuid(),"
+        " now() - interval '1 second', now() + interval '1 day')",
+        scope,
+    )
+    sweep = store.maintenance.sweep
+    refused = 0
+
+    async def refused_once(**kwargs: Any) -> Any:
+        nonlocal refused
+        if not refused:
+            refused += 1
+            raise StoreRejected("idempotency store sweep failed: refused once")
+        return await sweep(**kwargs)
+
+    store.maintenance.sweep = refused_once  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        Sweeper(store, MemoryTransport(store), scopes=[scope]).run(stop, interval=0.05)
+    )
+    try:
+
+        async def parked() -> bool:
+            record = await store.get(scope, "zombie")
+            return record is not None and record.status is Status.UNKNOWN
+
+        await wait_until(parked, 10, "the zombie to be parked on a later pass")
+    finally:
+        stop.set()
+        del store.maintenance.sweep
+        await asyncio.wait_for(task, 10)
+    assert refused == 1
