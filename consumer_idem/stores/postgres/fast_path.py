@@ -97,12 +97,12 @@ class FastPath:
     def __init__(self, store: PostgresStore) -> None:
         self.store = store
         self._claim_stmt = per_schema_name("consumer_idem_claim", store.schema)
-        #: per scope: batches left that claim with ON CONFLICT straight away (after a conflict)
-        self._plain_claims_skipped: dict[str, int] = {}
         self._result_stmt = per_schema_name("consumer_idem_result", store.schema)
         self._check_stmt = per_schema_name("consumer_idem_check", store.schema)
         #: the check that also notes the mark in DONE_SETTING (before a COMMIT with a claim after)
         self._check_done_stmt = per_schema_name("consumer_idem_checkdone", store.schema)
+        #: per scope: batches left that claim with ON CONFLICT straight away (after a conflict)
+        self._plain_claims_skipped: dict[str, int] = {}
         #: per connection: the next unit's claim to send with this unit's COMMIT, and the one
         #: sent (its transaction open) that the next unit has not taken yet
         self._asked: dict[Any, Ahead] = {}
