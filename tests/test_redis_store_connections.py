@@ -5,8 +5,10 @@ under the store, many calls at once, all against the real Redis."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -81,3 +83,136 @@ async def test_many_calls_at_once_each_get_a_connection_and_give_it_back(
         *(run_two_phase(store, "s", f"k{i}", FP, charge) for i in range(100))
     )
     assert {o.kind for o in replays} == {OutcomeKind.REPLAYED}
+
+
+# --- read deadlines: the client's socket_timeout, kept by one timer (redis_commands._Deadlines)
+
+
+@pytest.fixture
+async def paused(redis_client: aioredis.Redis) -> AsyncIterator[Callable[[int], Awaitable[None]]]:
+    """``await pause(ms)``: the real server holds every client's commands for ``ms``
+    (``CLIENT PAUSE ALL``; it cannot be lifted early, since UNPAUSE would wait too)."""
+    until = 0.0
+
+    async def pause(ms: int) -> None:
+        nonlocal until
+        await redis_client.execute_command("CLIENT", "PAUSE", str(ms), "ALL")
+        until = time.monotonic() + ms / 1000
+
+    yield pause
+    await asyncio.sleep(max(0.0, until - time.monotonic()) + 0.05)
+
+
+async def test_a_reply_later_than_the_socket_timeout_fails_that_call_only(
+    settings: Settings, paused: Callable[[int], Awaitable[None]], redis_prefix: str
+) -> None:
+    client = aioredis.from_url(settings.redis_url, socket_timeout=0.2)
+    store = RedisStore(client, prefix=redis_prefix)
+    try:
+        await run_two_phase(store, "s", "before", FP, charge)  # a kept connection
+        await paused(700)
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="Timeout reading"):
+            await store.reserve("s", "during", FP)
+        waited = time.monotonic() - started
+        # the timeout is the client's, neither ignored nor cut short...
+        assert 0.18 <= waited < 0.6
+        # ...and it leaves nothing behind: the task is not still being cancelled
+        task = asyncio.current_task()
+        assert task is not None and task.cancelling() == 0
+        await asyncio.sleep(0.1)  # this task's own timers still run as they should
+        await asyncio.sleep(0.6)  # the pause is over
+        # the late connection was dropped (its reply could come in any time): a new one works
+        outcome = await run_two_phase(store, "s", "after", FP, charge)
+        assert outcome.kind is OutcomeKind.EXECUTED
+    finally:
+        await client.aclose()
+
+
+async def test_a_caller_cancelled_while_waiting_for_a_reply_is_cancelled_not_timed_out(
+    settings: Settings, paused: Callable[[int], Awaitable[None]], redis_prefix: str
+) -> None:
+    client = aioredis.from_url(settings.redis_url, socket_timeout=0.3)
+    store = RedisStore(client, prefix=redis_prefix)
+    try:
+        await run_two_phase(store, "s", "before", FP, charge)
+        await paused(600)
+        # the caller's own, shorter bound: its TimeoutError, through a cancellation of ours
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.1):
+                await store.reserve("s", "bounded", FP)
+        call = asyncio.create_task(store.reserve("s", "cancelled", FP))
+        await asyncio.sleep(0.05)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        # a call the timer cancels while its caller is cancelled too stays cancelled
+        both = asyncio.create_task(store.reserve("s", "both", FP))
+        await asyncio.sleep(0.31)
+        both.cancel()
+        with pytest.raises((asyncio.CancelledError, StoreUnavailable)):
+            await both
+        await asyncio.sleep(0.4)
+        outcome = await run_two_phase(store, "s", "after", FP, charge)
+        assert outcome.kind is OutcomeKind.EXECUTED
+    finally:
+        await client.aclose()
+
+
+async def test_reads_under_a_socket_timeout_share_one_timer(
+    settings: Settings, redis_prefix: str
+) -> None:
+    """redis-py bounds each read with a timer of its own, a tenth of a unit's CPU at c1 (the
+    Powertools comparison): the store's calls keep the same bound with one timer for all."""
+    client = aioredis.from_url(settings.redis_url, socket_timeout=5)
+    store = RedisStore(client, prefix=redis_prefix)
+    loop = asyncio.get_running_loop()
+    timers = 0
+    call_at = loop.call_at
+
+    def counting(when: float, callback: Any, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:
+        nonlocal timers
+        timers += 1
+        return call_at(when, callback, *args, **kwargs)
+
+    try:
+        await run_two_phase(store, "s", "warm", FP, charge)
+        loop.call_at = counting  # type: ignore[method-assign]
+        try:
+            for i in range(50):
+                await run_two_phase(store, "s", f"k{i}", FP, charge)
+        finally:
+            del loop.call_at
+        assert timers <= 1  # 100 commands
+    finally:
+        await client.aclose()
+
+
+def test_read_deadlines_survive_a_closed_event_loop() -> None:
+    """A store outlives an event loop (``asyncio.run`` twice, a test runner's loop per test):
+    the timer of the closed loop never fires, so the next loop's calls get one of their own."""
+    from consumer_idem.stores.redis_commands import _Deadlines
+
+    deadlines = _Deadlines()
+
+    async def waiting(seconds: float) -> bool:
+        task = asyncio.current_task()
+        assert task is not None
+        deadlines.enter(task, seconds)
+        try:
+            await asyncio.sleep(2)
+        except asyncio.CancelledError:
+            task.uncancel()
+            return deadlines.leave(task)
+        return False
+
+    async def abandoned() -> None:
+        task = asyncio.create_task(waiting(0.05))
+        await asyncio.sleep(0)  # entered; the loop then closes before the deadline
+        task.cancel()
+
+    asyncio.run(abandoned())
+    time.sleep(0.1)
+    started = time.monotonic()
+    assert asyncio.run(waiting(0.2)) is True  # cut by the new loop's own timer
+    assert time.monotonic() - started < 1
