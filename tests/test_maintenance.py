@@ -246,7 +246,7 @@ async def test_counts_for_progress(pg_pool: asyncpg.Pool, store: PostgresStore) 
 async def test_listing_the_statuses_of_stuck_keys_can_use_the_partial_index(
     pg_pool: asyncpg.Pool, store: PostgresStore, statuses: list[str]
 ) -> None:
-    """Migration 6's index serves the listing only if the query names the statuses as
+    """Migration 8's listing index serves the listing only if the query names the statuses as
     literals the planner can match against the index predicate (a parameter would not)."""
     cursor = "WyIyMDIwLTAxLTAxVDAwOjAwOjAwKzAwOjAwIiwgInMiLCAiayJd"  # (2020-01-01, s, k)
     sql, args = store.maintenance.listing_query(
@@ -259,5 +259,5 @@ async def test_listing_the_statuses_of_stuck_keys_can_use_the_partial_index(
     # an index serves it (the planner may prefer the reconcile index for `unknown` alone,
     # depending on what else the table holds); never a scan of the whole table
     assert "Seq Scan" not in plan, plan
-    if "failed_retryable" in statuses:  # only migration 6's index covers these
-        assert "idempotency_records_attention" in plan, plan
+    if "failed_retryable" in statuses:  # only the listing index covers these
+        assert "idempotency_records_listing" in plan, plan

@@ -171,16 +171,17 @@ class Maintenance:
         store = self.store
         # The batch is a MATERIALIZED CTE: as a subquery in FROM, the planner may rescan it
         # once per joined row, and each rescan locks (and this UPDATE parks) further rows, so
-        # LIMIT would not bound the batch at all.
+        # LIMIT would not bound the batch at all. The rows are joined back by key and owner
+        # token, not by status: see migration 8 (the rows are locked, so the token is theirs).
         sql = (
-            f"WITH due AS MATERIALIZED (SELECT scope, key FROM {store.table}"
+            f"WITH due AS MATERIALIZED (SELECT scope, key, owner_token FROM {store.table}"
             " WHERE status = 'in_progress' AND locked_until < clock_timestamp()"
             " ORDER BY locked_until LIMIT $1 FOR UPDATE SKIP LOCKED)"
             f" UPDATE {store.table} t SET status = 'unknown', owner_token = NULL,"
             " locked_until = NULL, last_error = 'lease_expired', reconcile_after = now(),"
             " reconcile_published_at = NULL, updated_at = now()"
             " FROM due"
-            " WHERE t.scope = due.scope AND t.key = due.key AND t.status = 'in_progress'"
+            " WHERE t.scope = due.scope AND t.key = due.key AND t.owner_token = due.owner_token"
             " RETURNING t.scope, t.key"
         )
         report = SweepReport()
@@ -320,9 +321,13 @@ class Maintenance:
     ) -> int:
         """``unknown`` records (of ``scopes``, or all), due or not; with ``scheduled_only``,
         only those reconciliation still works on (not handed to an operator)."""
+        # each form names what its partial index requires (migration 8): reconcile_after for
+        # the scheduled ones, updated_at (never NULL) for all
         sql = f"SELECT count(*) FROM {self.store.table} WHERE status = 'unknown'"
         if scheduled_only:
             sql += " AND reconcile_after IS NOT NULL"
+        else:
+            sql += " AND updated_at IS NOT NULL"
         if scopes is None:
             return await self._count("count_unknown", sql)
         return await self._count(
@@ -383,7 +388,9 @@ class Maintenance:
     ) -> tuple[str, list[Any]]:
         """The SQL and arguments of :meth:`list_keys` (one row more than ``limit``, to know
         whether another page follows). Only the filters given become conditions, and the
-        statuses are literals, so the planner can use the partial index of migration 6."""
+        statuses are literals, so the planner can use the partial index of migration 8 (whose
+        predicate also asks for ``updated_at IS NOT NULL``, always true, which only this
+        query states)."""
         if not 1 <= limit <= MAX_PAGE:
             raise ValueError(f"limit must be between 1 and {MAX_PAGE}, not {limit}")
         where: list[str] = []
@@ -398,6 +405,7 @@ class Maintenance:
             if not wanted:
                 raise ValueError("statuses: give at least one, or None for all")
             where.append(f"status IN ({', '.join(repr(s) for s in wanted)})")
+            where.append("updated_at IS NOT NULL")
         if scope_prefix:
             where.append(f"starts_with(scope, {arg(scope_prefix)})")
         if older_than is not None:
