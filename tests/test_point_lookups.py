@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import asyncpg
 import pytest
@@ -26,6 +27,7 @@ from consumer_idem import (
     Retryable,
     run_two_phase,
 )
+from consumer_idem.stores.postgres import migrate
 
 ROWS = 100_000
 FP = "v1:jcs:point"
@@ -145,3 +147,104 @@ async def test_the_partial_indexes_still_serve_the_scans_they_are_for(
         "idempotency_records_listing",
     } <= used, used
     assert await table_scans(store) == scans
+
+
+async def test_the_relay_settles_what_it_claimed_by_primary_key(grown: PostgresStore) -> None:
+    """An outbox of sent messages, vacuumed, then a backlog of pending ones (an outage): the
+    relay's settle statements must not walk the partial index of unsent messages."""
+    store = grown
+    insert = (
+        f"INSERT INTO {store.schema}.outbox_messages (scope, unit_key, position, destination,"
+        " body, idempotency_key, status, sent_at, created_at)"
+        " SELECT 's', $1 || i, 0, 'payments', '\\x00', $1 || i, $2, $3, now() - interval '1 h'"
+        " FROM generate_series(1, $4) i"
+    )
+    await store.pool.execute(insert, "sent-", "sent", datetime.now(UTC), 50_000)
+    await store.pool.execute(f"VACUUM (ANALYZE) {store.schema}.outbox_messages")
+    await store.pool.execute(insert, "late-", "pending", None, 5_000)
+    plans: list[str] = []
+    execute = store.outbox._execute
+
+    async def explained(operation: str, scope: str, conn: Any, sql: str, *args: Any) -> int:
+        plans.append("\n".join(r[0] for r in await conn.fetch(f"EXPLAIN {sql}", *args)))
+        return await execute(operation, scope, conn, sql, *args)
+
+    store.outbox._execute = explained  # type: ignore[method-assign]
+    async with store.pool.acquire() as conn, conn.transaction():
+        claimed = await store.outbox.claim_due(conn, 30)
+        assert len(claimed) == 30
+        await store.outbox.settle_claimed(
+            conn,
+            claimed[:10],
+            [(m, "broker down", 5.0) for m in claimed[10:20]],
+            [(m, "too large") for m in claimed[20:]],
+        )
+    assert len(plans) == 3
+    for plan in plans:
+        assert "outbox_messages_pkey" in plan and "outbox_messages_unsent" not in plan, plan
+    counts = dict(
+        await store.pool.fetch(
+            f"SELECT status, count(*) FROM {store.schema}.outbox_messages GROUP BY status"
+        )
+    )
+    assert counts == {"sent": 50_010, "pending": 4_980, "parked": 10}
+
+
+async def test_an_index_a_failed_concurrent_build_left_invalid_is_rebuilt(pg_dsn: str) -> None:
+    """Migration 8's header has operators build its indexes CONCURRENTLY first on big tables;
+    a build that failed leaves an INVALID index under the name, which IF NOT EXISTS would skip
+    while the old, valid index is dropped."""
+    schema = f"upgrade_{uuid.uuid4().hex[:10]}"
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        async with conn.transaction():  # the store as version 7 left it
+            await conn.execute(f'CREATE SCHEMA "{schema}"')
+            await conn.execute(f'SET LOCAL search_path TO "{schema}"')
+            await conn.execute(
+                "CREATE TABLE schema_migrations (version integer PRIMARY KEY, name text NOT NULL,"
+                " applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            for m in migrate.available():
+                if m.version <= 7:
+                    await conn.execute(m.sql)
+                    await conn.execute(
+                        "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)",
+                        m.version,
+                        m.name,
+                    )
+            # what a cancelled CREATE INDEX CONCURRENTLY leaves behind
+            await conn.execute(
+                "CREATE INDEX idempotency_records_reconcile_due"
+                " ON idempotency_records (reconcile_after)"
+            )
+            await conn.execute(
+                "UPDATE pg_index SET indisvalid = false"
+                " WHERE indexrelid = 'idempotency_records_reconcile_due'::regclass"
+            )
+        pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
+        assert pool is not None
+        try:
+            store = PostgresStore(pool, schema=schema)
+            assert await store.migrate() == [8]
+            await run_two_phase(store, "s", "parked", FP, crash)
+            assert [r.key for r in await store.reconciliation.due_notices()] == ["parked"]
+        finally:
+            await pool.close()
+        indexes = {
+            r["indexname"]: (r["valid"], r["indexdef"])
+            for r in await conn.fetch(
+                "SELECT c.relname AS indexname, i.indisvalid AS valid,"
+                " pg_get_indexdef(i.indexrelid) AS indexdef"
+                " FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
+                " WHERE c.relnamespace = $1::regnamespace",
+                schema,
+            )
+        }
+        valid, definition = indexes["idempotency_records_reconcile_due"]
+        assert valid and "reconcile_after IS NOT NULL" in definition, definition
+        assert "idempotency_records_reconcile" not in indexes
+        assert "idempotency_records_attention" not in indexes
+        assert indexes["idempotency_records_listing"][0]
+    finally:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await conn.close()

@@ -91,8 +91,9 @@ class CompletedCache:
 
     Every call is bounded by ``timeout`` seconds (by the client's ``socket_timeout`` when that
     is as short, else by a timer of the cache's): a slow Redis counts as an outage and falls
-    through to Postgres. A client made with ``socket_timeout=None`` is the cheapest: redis-py
-    then runs no timer and no task of its own per command. Keys start with
+    through to Postgres. A client made with ``socket_timeout=None`` spares the cache's timer
+    when the cache's bound is the shorter (a client's socket timeout costs no timer per
+    command: see :mod:`~consumer_idem.stores.redis_commands`). Keys start with
     ``prefix``, then the store's database and schema (read once from Postgres, on first use),
     then scope and key. Entries live for ``min(ttl, the record's remaining retention)``.
 

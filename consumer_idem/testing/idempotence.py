@@ -446,7 +446,8 @@ class _Kit:
         async with self.pool.acquire(timeout=10) as conn:
             await conn.execute(
                 f"UPDATE {self.store.table} SET locked_until = now() - interval '1 second'"
-                " WHERE scope = $1 AND key = $2 AND status = 'in_progress'",
+                # the token says in progress (see migration 8): no partial index is implied
+                " WHERE scope = $1 AND key = $2 AND owner_token IS NOT NULL",
                 self.scope,
                 key,
             )

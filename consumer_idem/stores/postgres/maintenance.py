@@ -322,12 +322,12 @@ class Maintenance:
         """``unknown`` records (of ``scopes``, or all), due or not; with ``scheduled_only``,
         only those reconciliation still works on (not handed to an operator)."""
         # each form names what its partial index requires (migration 8): reconcile_after for
-        # the scheduled ones, updated_at (never NULL) for all
+        # the scheduled ones, updated_at (always after -infinity) for all
         sql = f"SELECT count(*) FROM {self.store.table} WHERE status = 'unknown'"
         if scheduled_only:
             sql += " AND reconcile_after IS NOT NULL"
         else:
-            sql += " AND updated_at IS NOT NULL"
+            sql += " AND updated_at > '-infinity'"
         if scopes is None:
             return await self._count("count_unknown", sql)
         return await self._count(
@@ -389,8 +389,8 @@ class Maintenance:
         """The SQL and arguments of :meth:`list_keys` (one row more than ``limit``, to know
         whether another page follows). Only the filters given become conditions, and the
         statuses are literals, so the planner can use the partial index of migration 8 (whose
-        predicate also asks for ``updated_at IS NOT NULL``, always true, which only this
-        query states)."""
+        predicate also asks for ``updated_at > '-infinity'``, always true, which only this
+        query and :meth:`count_unknown` state)."""
         if not 1 <= limit <= MAX_PAGE:
             raise ValueError(f"limit must be between 1 and {MAX_PAGE}, not {limit}")
         where: list[str] = []
@@ -405,7 +405,7 @@ class Maintenance:
             if not wanted:
                 raise ValueError("statuses: give at least one, or None for all")
             where.append(f"status IN ({', '.join(repr(s) for s in wanted)})")
-            where.append("updated_at IS NOT NULL")
+            where.append("updated_at > '-infinity'")
         if scope_prefix:
             where.append(f"starts_with(scope, {arg(scope_prefix)})")
         if older_than is not None:

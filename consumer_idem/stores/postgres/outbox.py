@@ -344,7 +344,10 @@ class Outbox:
         """Inside the relay's transaction: what became of the messages :meth:`claim_due` locked
         (``failed``: (message, error, seconds before it is due again); ``parked``: (message,
         reason)). Literals, as in :meth:`_units`: in an outage every row of a batch fails, and
-        the rows pending are many."""
+        the rows pending are many. By id alone: :meth:`claim_due` locked these rows, so they
+        are still pending, and ``AND status = 'pending'`` would let the planner take the
+        partial index of unsent messages (priced by its last vacuum) for the primary key and
+        walk it whole: during a backlog, every batch of the relay read the backlog."""
 
         def ids(messages: Sequence[OutgoingMessage]) -> str:
             return f"ARRAY[{', '.join(str(int(m.id or 0)) for m in messages)}]::bigint[]"
@@ -359,7 +362,7 @@ class Outbox:
                 conn,
                 f"UPDATE {self.table} t SET status = 'sent', sent_at = now(),"
                 f" attempts = t.attempts + 1 FROM unnest({ids(sent)}) AS u(i)"
-                " WHERE t.id = u.i AND t.status = 'pending'",
+                " WHERE t.id = u.i",
             )
         if failed:
             delays = ", ".join(repr(float(d)) for _, _, d in failed)
@@ -371,7 +374,7 @@ class Outbox:
                 " due_at = now() + make_interval(secs => u.d)"
                 f" FROM unnest({ids([m for m, _, _ in failed])},"
                 f" {texts([e for _, e, _ in failed])}, ARRAY[{delays}]::float8[]) AS u(i, e, d)"
-                " WHERE t.id = u.i AND t.status = 'pending'",
+                " WHERE t.id = u.i",
             )
         if parked:
             await self._execute(
@@ -381,7 +384,7 @@ class Outbox:
                 f"UPDATE {self.table} t SET status = 'parked', parked_at = now(),"
                 " attempts = t.attempts + 1, last_error = u.e"
                 f" FROM unnest({ids([m for m, _ in parked])}, {texts([r for _, r in parked])})"
-                " AS u(i, e) WHERE t.id = u.i AND t.status = 'pending'",
+                " AS u(i, e) WHERE t.id = u.i",
             )
 
     # --- operators -----------------------------------------------------------------------------

@@ -18,21 +18,43 @@
 --   reservation's parking of an expired lease;
 -- * the reconciliation index also requires `reconcile_after IS NOT NULL`, which the due scan
 --   implies (`reconcile_after <= now()`) and a resolution of one key does not;
--- * the listing index also requires `updated_at IS NOT NULL` (always true: the column is
---   NOT NULL), which the listing states and nothing else does.
+-- * the listing index also requires `updated_at > '-infinity'` (always true), which the
+--   listing and the count of unknown records state and nothing else does. Not `IS NOT NULL`:
+--   PostgreSQL 17 and later drop that test from a query on a NOT NULL column, and the index
+--   would then serve nothing.
 --
--- Building the two indexes scans the table once under a lock that blocks writes. On a very
--- large table, create them by hand first, without blocking (this migration then skips them):
+-- Building the two indexes scans the table once under a lock that blocks writes, and dropping
+-- the old ones takes a lock that also blocks reads, for as long as the longest transaction
+-- open on the table. On a very large or busy table, do both by hand first, without blocking
+-- (this migration then skips them; an index left INVALID by a failed build is rebuilt here):
 --   CREATE INDEX CONCURRENTLY idempotency_records_listing ON <schema>.idempotency_records
 --     (updated_at, scope, key)
---     WHERE status IN ('in_progress', 'failed_retryable', 'unknown') AND updated_at IS NOT NULL;
+--     WHERE status IN ('in_progress', 'failed_retryable', 'unknown')
+--       AND updated_at > '-infinity';
 --   CREATE INDEX CONCURRENTLY idempotency_records_reconcile_due
 --     ON <schema>.idempotency_records (reconcile_after)
 --     WHERE status = 'unknown' AND reconcile_after IS NOT NULL;
+--   DROP INDEX CONCURRENTLY <schema>.idempotency_records_attention;
+--   DROP INDEX CONCURRENTLY <schema>.idempotency_records_reconcile;
+
+DO $$
+DECLARE
+    name text;
+BEGIN
+    -- a CONCURRENTLY build that failed leaves an INVALID index under the name: never skip it
+    FOR name IN
+        SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+         WHERE c.relnamespace = current_schema()::regnamespace AND NOT i.indisvalid
+           AND c.relname IN ('idempotency_records_listing', 'idempotency_records_reconcile_due')
+    LOOP
+        EXECUTE format('DROP INDEX %I', name);
+    END LOOP;
+END
+$$;
 
 CREATE INDEX IF NOT EXISTS idempotency_records_listing
     ON idempotency_records (updated_at, scope, key)
-    WHERE status IN ('in_progress', 'failed_retryable', 'unknown') AND updated_at IS NOT NULL;
+    WHERE status IN ('in_progress', 'failed_retryable', 'unknown') AND updated_at > '-infinity';
 DROP INDEX IF EXISTS idempotency_records_attention;
 
 CREATE INDEX IF NOT EXISTS idempotency_records_reconcile_due
