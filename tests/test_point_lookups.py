@@ -24,6 +24,7 @@ from consumer_idem import (
     NotExecuted,
     OutcomeKind,
     PostgresStore,
+    PrunePolicy,
     Retryable,
     run_two_phase,
 )
@@ -248,3 +249,30 @@ async def test_an_index_a_failed_concurrent_build_left_invalid_is_rebuilt(pg_dsn
     finally:
         await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
         await conn.close()
+
+
+async def test_a_prune_batch_finds_its_rows_again_by_address_not_by_key(
+    grown: PostgresStore,
+) -> None:
+    """The rows a batch picked are locked, so their ctid holds: deleting (or soft-expiring)
+    them by it costs no descent of the primary key per row, which live reservations beside a
+    prune waited for (``store.prune.*`` in the benchmarks)."""
+    store = grown
+    await store.pool.execute(
+        f"UPDATE {store.table} SET expires_at = now() - interval '1 s'"
+        " WHERE scope = 's1' AND key < '4'"
+    )
+    before = await index_scans(store)
+    deleted = await store.maintenance.prune(batch_size=500)
+    after = await index_scans(store)
+    assert deleted.rows > 2_000 and deleted.finished
+    assert after["idempotency_records_pkey"] == before["idempotency_records_pkey"]
+    await store.pool.execute(
+        f"UPDATE {store.table} SET expires_at = now() - interval '1 s'"
+        " WHERE scope = 's2' AND key < '4'"
+    )
+    before = await index_scans(store)
+    soft = await store.maintenance.prune(policy=PrunePolicy.SOFT, batch_size=500)
+    after = await index_scans(store)
+    assert soft.rows > 2_000 and soft.finished
+    assert after["idempotency_records_pkey"] == before["idempotency_records_pkey"]

@@ -554,7 +554,7 @@ def build_app() -> Any:
         policy: Annotated[
             PrunePolicy, typer.Option(help="delete, or soft-expire first")
         ] = PrunePolicy.DELETE,
-        batch_size: Annotated[int, typer.Option(min=1, help="rows per statement")] = 1000,
+        batch_size: Annotated[int, typer.Option(min=1, help="rows per statement")] = 200,
         max_batches: Annotated[int | None, typer.Option(min=1, help="stop after this many")] = None,
         dsn: DsnOpt = None,
         schema: SchemaOpt = None,

@@ -213,7 +213,7 @@ class Maintenance:
         self,
         *,
         policy: PrunePolicy = PrunePolicy.DELETE,
-        batch_size: int = 1000,
+        batch_size: int = 200,
         max_batches: int | None = None,
         audit_retention: timedelta | float = timedelta(days=30),
         on_batch: Callable[[PruneReport], None] | None = None,
@@ -243,24 +243,28 @@ class Maintenance:
         # an event loop with live work.
         keys = ", array_agg(key) AS keys" if store.cache is not None else ""
         summary = f"SELECT scope, count(*) AS n, max(expires_at) AS last{keys} FROM done"
+        # The batch's rows are found again by their physical address (ctid), not their key:
+        # they are locked (FOR UPDATE) since they were picked, so it cannot move, and a batch
+        # then costs no walk down the primary key per row (random pages of an index as big as
+        # the store), which is what the live reservations beside a prune waited for.
         if policy is PrunePolicy.DELETE:
             # MATERIALIZED, as in sweep: evaluated once, so LIMIT bounds the batch
             sql = (
-                f"WITH d AS MATERIALIZED (SELECT scope, key {due}),"
-                f" done AS (DELETE FROM {store.table} t USING d"
-                " WHERE t.scope = d.scope AND t.key = d.key"
+                f"WITH d AS MATERIALIZED (SELECT ctid AS tid {due}),"
+                f" done AS (DELETE FROM {store.table} t USING d WHERE t.ctid = d.tid"
                 " RETURNING t.scope, t.key, t.expires_at)"
                 f" {summary} GROUP BY scope"
             )
             args: tuple[Any, ...] = (batch_size,)
         else:
             sql = (
-                f"WITH d AS MATERIALIZED (SELECT scope, key, status, expires_at {due}),"
-                f" gone AS (DELETE FROM {store.table} t USING d WHERE t.scope = d.scope"
-                " AND t.key = d.key AND d.status = 'expired' RETURNING t.scope, t.key),"
+                "WITH d AS MATERIALIZED (SELECT ctid AS tid, scope, key, status, expires_at"
+                f" {due}),"
+                f" gone AS (DELETE FROM {store.table} t USING d WHERE t.ctid = d.tid"
+                " AND d.status = 'expired' RETURNING t.scope, t.key),"
                 f" soft AS (UPDATE {store.table} t SET status = 'expired', updated_at = now(),"
-                " expires_at = now() + $3::interval FROM d WHERE t.scope = d.scope"
-                " AND t.key = d.key AND d.status <> 'expired' RETURNING t.scope, t.key),"
+                " expires_at = now() + $3::interval FROM d WHERE t.ctid = d.tid"
+                " AND d.status <> 'expired' RETURNING t.scope, t.key),"
                 " done AS (SELECT d.scope, d.key, d.expires_at FROM d JOIN (SELECT scope, key"
                 " FROM gone UNION ALL SELECT scope, key FROM soft) changed USING (scope, key))"
                 f" {summary} GROUP BY scope"
