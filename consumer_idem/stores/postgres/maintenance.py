@@ -241,33 +241,44 @@ class Maintenance:
         # keys only when a cache must drop them), not one per record: a batch is then a few
         # rows for the client to read, whatever its size, which matters when the prune shares
         # an event loop with live work.
-        keys = ", array_agg(key) AS keys" if store.cache is not None else ""
-        summary = f"SELECT scope, count(*) AS n, max(expires_at) AS last{keys} FROM done"
-        # The batch's rows are found again by their physical address (ctid), not their key:
-        # they are locked (FOR UPDATE) since they were picked, so it cannot move, and a batch
-        # then costs no walk down the primary key per row (random pages of an index as big as
-        # the store), which is what the live reservations beside a prune waited for.
+        # A last row (scope NULL) counts what the batch picked and its last expiry: a picked row
+        # changed meanwhile (FOR UPDATE then locks its new version, which this statement cannot
+        # see to delete) is not pruned, so the pruned count alone would end the prune early.
+        keys, no_keys = (
+            (", array_agg(key) AS keys", ", NULL") if store.cache is not None else ("", "")
+        )
+        summary = (
+            f"SELECT scope, count(*) AS n, max(expires_at) AS last{keys} FROM done GROUP BY scope"
+            f" UNION ALL SELECT NULL, count(*), max(expires_at){no_keys} FROM d"
+        )
+        # The batch's rows are found again by their physical address (table and ctid), not
+        # their key: they are locked (FOR UPDATE) since they were picked, so it cannot move,
+        # and a batch then costs no walk down the primary key per row (random pages of an index
+        # as big as the store), which is what the live reservations beside a prune waited for.
+        # The table (tableoid) is part of the address: a partitioned store repeats a ctid in
+        # every partition.
+        at = "t.tableoid = d.rel AND t.ctid = d.tid"
         if policy is PrunePolicy.DELETE:
             # MATERIALIZED, as in sweep: evaluated once, so LIMIT bounds the batch
             sql = (
-                f"WITH d AS MATERIALIZED (SELECT ctid AS tid {due}),"
-                f" done AS (DELETE FROM {store.table} t USING d WHERE t.ctid = d.tid"
+                f"WITH d AS MATERIALIZED (SELECT tableoid AS rel, ctid AS tid, expires_at {due}),"
+                f" done AS (DELETE FROM {store.table} t USING d WHERE {at}"
                 " RETURNING t.scope, t.key, t.expires_at)"
-                f" {summary} GROUP BY scope"
+                f" {summary}"
             )
             args: tuple[Any, ...] = (batch_size,)
         else:
             sql = (
-                "WITH d AS MATERIALIZED (SELECT ctid AS tid, scope, key, status, expires_at"
-                f" {due}),"
-                f" gone AS (DELETE FROM {store.table} t USING d WHERE t.ctid = d.tid"
+                "WITH d AS MATERIALIZED (SELECT tableoid AS rel, ctid AS tid, scope, key, status,"
+                f" expires_at {due}),"
+                f" gone AS (DELETE FROM {store.table} t USING d WHERE {at}"
                 " AND d.status = 'expired' RETURNING t.scope, t.key),"
                 f" soft AS (UPDATE {store.table} t SET status = 'expired', updated_at = now(),"
-                " expires_at = now() + $3::interval FROM d WHERE t.ctid = d.tid"
+                f" expires_at = now() + $3::interval FROM d WHERE {at}"
                 " AND d.status <> 'expired' RETURNING t.scope, t.key),"
                 " done AS (SELECT d.scope, d.key, d.expires_at FROM d JOIN (SELECT scope, key"
                 " FROM gone UNION ALL SELECT scope, key FROM soft) changed USING (scope, key))"
-                f" {summary} GROUP BY scope"
+                f" {summary}"
             )
             args = (batch_size, seconds(audit_retention))
         report = PruneReport(policy=policy)
@@ -279,11 +290,14 @@ class Maintenance:
             async def batch(c: Any, a: tuple[Any, ...] = batch_args) -> list[Any]:
                 return list(await c.fetch(sql, *a, timeout=store.command_timeout))
 
-            scopes = await store.run("prune", "", None, batch)
+            rows = await store.run("prune", "", None, batch)
             elapsed = time.perf_counter() - started
+            scopes = [r for r in rows if r["scope"] is not None]
+            picked = sum(r["n"] for r in rows if r["scope"] is None)
             pruned = sum(r["n"] for r in scopes)
-            if scopes:
-                after = max(r["last"] for r in scopes)
+            last = max((r["last"] for r in rows if r["last"] is not None), default=None)
+            if last is not None:
+                after = last
             for r in scopes:
                 store.metrics.inc("pruned", r["scope"], r["n"])
             if store.cache is not None:  # expired records are never replayed: drop them
@@ -296,11 +310,11 @@ class Maintenance:
                 batches=report.batches + 1,
                 longest_statement_s=max(report.longest_statement_s, elapsed),
                 # a full last batch under max_batches: there may be more
-                finished=pruned < batch_size,
+                finished=picked < batch_size,
             )
             if on_batch is not None:
                 on_batch(report)
-            if pruned < batch_size or (stop is not None and stop.is_set()):
+            if picked < batch_size or (stop is not None and stop.is_set()):
                 break
         return report
 
