@@ -28,7 +28,7 @@ from consumer_idem import (
     Retryable,
     run_two_phase,
 )
-from consumer_idem.stores.postgres import migrate
+from tests._migrations import apply_by_hand
 
 ROWS = 100_000
 FP = "v1:jcs:point"
@@ -198,21 +198,9 @@ async def test_an_index_a_failed_concurrent_build_left_invalid_is_rebuilt(pg_dsn
     schema = f"upgrade_{uuid.uuid4().hex[:10]}"
     conn = await asyncpg.connect(pg_dsn)
     try:
-        async with conn.transaction():  # the store as version 7 left it
-            await conn.execute(f'CREATE SCHEMA "{schema}"')
+        await apply_by_hand(conn, schema, upto=7)  # the store as version 7 left it
+        async with conn.transaction():
             await conn.execute(f'SET LOCAL search_path TO "{schema}"')
-            await conn.execute(
-                "CREATE TABLE schema_migrations (version integer PRIMARY KEY, name text NOT NULL,"
-                " applied_at timestamptz NOT NULL DEFAULT now())"
-            )
-            for m in migrate.available():
-                if m.version <= 7:
-                    await conn.execute(m.sql)
-                    await conn.execute(
-                        "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)",
-                        m.version,
-                        m.name,
-                    )
             # what a cancelled CREATE INDEX CONCURRENTLY leaves behind
             await conn.execute(
                 "CREATE INDEX idempotency_records_reconcile_due"

@@ -12,7 +12,7 @@ import asyncpg
 import pytest
 
 from consumer_idem import DecisionKind, PostgresStore, PrunePolicy
-from consumer_idem.stores.postgres import migrate
+from tests._migrations import apply_by_hand
 
 PARTITIONS = 4
 TABLE_END = (
@@ -26,31 +26,21 @@ async def partitioned(pg_dsn: str) -> AsyncIterator[PostgresStore]:
     schema = f"parted_{uuid.uuid4().hex[:10]}"
     conn = await asyncpg.connect(pg_dsn)
     try:
-        async with conn.transaction():
-            await conn.execute(f'CREATE SCHEMA "{schema}"')
-            await conn.execute(f'SET LOCAL search_path TO "{schema}"')
-            await conn.execute(
-                "CREATE TABLE schema_migrations (version integer PRIMARY KEY, name text NOT NULL,"
-                " applied_at timestamptz NOT NULL DEFAULT now())"
+
+        def partitioned_table(version: int, sql: str) -> str:
+            if version != 1:
+                return sql
+            assert TABLE_END in sql
+            parts = "".join(
+                f"CREATE TABLE idempotency_records_p{i} PARTITION OF idempotency_records"
+                f" FOR VALUES WITH (MODULUS {PARTITIONS}, REMAINDER {i});\n"
+                for i in range(PARTITIONS)
             )
-            for m in migrate.available():
-                sql = m.sql
-                if m.version == 1:
-                    assert TABLE_END in sql
-                    parts = "".join(
-                        f"CREATE TABLE idempotency_records_p{i} PARTITION OF idempotency_records"
-                        f" FOR VALUES WITH (MODULUS {PARTITIONS}, REMAINDER {i});\n"
-                        for i in range(PARTITIONS)
-                    )
-                    sql = sql.replace(
-                        TABLE_END, TABLE_END[:-2] + ") PARTITION BY HASH (scope, key);\n" + parts
-                    )
-                await conn.execute(sql)
-                await conn.execute(
-                    "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)",
-                    m.version,
-                    m.name,
-                )
+            return sql.replace(
+                TABLE_END, TABLE_END[:-2] + ") PARTITION BY HASH (scope, key);\n" + parts
+            )
+
+        await apply_by_hand(conn, schema, rewrite=partitioned_table)
         pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=4)
         assert pool is not None
         store = PostgresStore(pool, schema=schema, retention=3600)
