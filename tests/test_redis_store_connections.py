@@ -103,69 +103,76 @@ async def paused(redis_client: aioredis.Redis) -> AsyncIterator[Callable[[int], 
     await asyncio.sleep(max(0.0, until - time.monotonic()) + 0.05)
 
 
-async def test_a_reply_later_than_the_socket_timeout_fails_that_call_only(
-    settings: Settings, paused: Callable[[int], Awaitable[None]], redis_prefix: str
-) -> None:
-    client = aioredis.from_url(settings.redis_url, socket_timeout=0.2)
-    store = RedisStore(client, prefix=redis_prefix)
-    try:
-        await run_two_phase(store, "s", "before", FP, charge)  # a kept connection
-        await paused(700)
-        started = time.monotonic()
-        with pytest.raises(StoreUnavailable, match="Timeout reading"):
-            await store.reserve("s", "during", FP)
-        waited = time.monotonic() - started
-        # the timeout is the client's, neither ignored nor cut short...
-        assert 0.18 <= waited < 0.6
-        # ...and it leaves nothing behind: the task is not still being cancelled
-        task = asyncio.current_task()
-        assert task is not None and task.cancelling() == 0
-        await asyncio.sleep(0.1)  # this task's own timers still run as they should
-        await asyncio.sleep(0.6)  # the pause is over
-        # the late connection was dropped (its reply could come in any time): a new one works
-        outcome = await run_two_phase(store, "s", "after", FP, charge)
-        assert outcome.kind is OutcomeKind.EXECUTED
-    finally:
+@pytest.fixture
+async def timed_store(
+    settings: Settings, redis_prefix: str
+) -> AsyncIterator[Callable[[float], RedisStore]]:
+    """``timed_store(seconds)``: a store on a client of its own with that socket timeout."""
+    clients: list[aioredis.Redis] = []
+
+    def make(seconds: float) -> RedisStore:
+        clients.append(aioredis.from_url(settings.redis_url, socket_timeout=seconds))
+        return RedisStore(clients[-1], prefix=redis_prefix)
+
+    yield make
+    for client in clients:
         await client.aclose()
+
+
+async def test_a_reply_later_than_the_socket_timeout_fails_that_call_only(
+    timed_store: Callable[[float], RedisStore], paused: Callable[[int], Awaitable[None]]
+) -> None:
+    store = timed_store(0.2)
+    await run_two_phase(store, "s", "before", FP, charge)  # a kept connection
+    await paused(700)
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="Timeout reading"):
+        await store.reserve("s", "during", FP)
+    waited = time.monotonic() - started
+    # the timeout is the client's, neither ignored nor cut short...
+    assert 0.18 <= waited < 0.6
+    # ...and it leaves nothing behind: the task is not still being cancelled
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
+    await asyncio.sleep(0.1)  # this task's own timers still run as they should
+    await asyncio.sleep(0.6)  # the pause is over
+    # the late connection was dropped (its reply could come in any time): a new one works
+    outcome = await run_two_phase(store, "s", "after", FP, charge)
+    assert outcome.kind is OutcomeKind.EXECUTED
 
 
 async def test_a_caller_cancelled_while_waiting_for_a_reply_is_cancelled_not_timed_out(
-    settings: Settings, paused: Callable[[int], Awaitable[None]], redis_prefix: str
+    timed_store: Callable[[float], RedisStore], paused: Callable[[int], Awaitable[None]]
 ) -> None:
-    client = aioredis.from_url(settings.redis_url, socket_timeout=0.3)
-    store = RedisStore(client, prefix=redis_prefix)
-    try:
-        await run_two_phase(store, "s", "before", FP, charge)
-        await paused(600)
-        # the caller's own, shorter bound: its TimeoutError, through a cancellation of ours
-        with pytest.raises(TimeoutError):
-            async with asyncio.timeout(0.1):
-                await store.reserve("s", "bounded", FP)
-        call = asyncio.create_task(store.reserve("s", "cancelled", FP))
-        await asyncio.sleep(0.05)
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call
-        # a call the timer cancels while its caller is cancelled too stays cancelled
-        both = asyncio.create_task(store.reserve("s", "both", FP))
-        await asyncio.sleep(0.31)
-        both.cancel()
-        with pytest.raises((asyncio.CancelledError, StoreUnavailable)):
-            await both
-        await asyncio.sleep(0.4)
-        outcome = await run_two_phase(store, "s", "after", FP, charge)
-        assert outcome.kind is OutcomeKind.EXECUTED
-    finally:
-        await client.aclose()
+    store = timed_store(0.3)
+    await run_two_phase(store, "s", "before", FP, charge)
+    await paused(600)
+    # the caller's own, shorter bound: its TimeoutError, through a cancellation of ours
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.1):
+            await store.reserve("s", "bounded", FP)
+    call = asyncio.create_task(store.reserve("s", "cancelled", FP))
+    await asyncio.sleep(0.05)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    # a call the timer cancels while its caller is cancelled too stays cancelled
+    both = asyncio.create_task(store.reserve("s", "both", FP))
+    await asyncio.sleep(0.31)
+    both.cancel()
+    with pytest.raises((asyncio.CancelledError, StoreUnavailable)):
+        await both
+    await asyncio.sleep(0.4)
+    outcome = await run_two_phase(store, "s", "after", FP, charge)
+    assert outcome.kind is OutcomeKind.EXECUTED
 
 
 async def test_reads_under_a_socket_timeout_share_one_timer(
-    settings: Settings, redis_prefix: str
+    timed_store: Callable[[float], RedisStore],
 ) -> None:
     """redis-py bounds each read with a timer of its own, a tenth of a unit's CPU at c1 (the
     Powertools comparison): the store's calls keep the same bound with one timer for all."""
-    client = aioredis.from_url(settings.redis_url, socket_timeout=5)
-    store = RedisStore(client, prefix=redis_prefix)
+    store = timed_store(5)
     loop = asyncio.get_running_loop()
     timers = 0
     call_at = loop.call_at
@@ -175,17 +182,14 @@ async def test_reads_under_a_socket_timeout_share_one_timer(
         timers += 1
         return call_at(when, callback, *args, **kwargs)
 
+    await run_two_phase(store, "s", "warm", FP, charge)
+    loop.call_at = counting  # type: ignore[method-assign]
     try:
-        await run_two_phase(store, "s", "warm", FP, charge)
-        loop.call_at = counting  # type: ignore[method-assign]
-        try:
-            for i in range(50):
-                await run_two_phase(store, "s", f"k{i}", FP, charge)
-        finally:
-            del loop.call_at
-        assert timers <= 1  # 100 commands
+        for i in range(50):
+            await run_two_phase(store, "s", f"k{i}", FP, charge)
     finally:
-        await client.aclose()
+        del loop.call_at
+    assert timers <= 1  # 100 commands
 
 
 def test_read_deadlines_survive_a_closed_event_loop() -> None:

@@ -272,12 +272,11 @@ class Maintenance:
                 "WITH d AS MATERIALIZED (SELECT tableoid AS rel, ctid AS tid, scope, key, status,"
                 f" expires_at {due}),"
                 f" gone AS (DELETE FROM {store.table} t USING d WHERE {at}"
-                " AND d.status = 'expired' RETURNING t.scope, t.key),"
+                " AND d.status = 'expired' RETURNING t.scope, t.key, d.expires_at),"
                 f" soft AS (UPDATE {store.table} t SET status = 'expired', updated_at = now(),"
                 f" expires_at = now() + $3::interval FROM d WHERE {at}"
-                " AND d.status <> 'expired' RETURNING t.scope, t.key),"
-                " done AS (SELECT d.scope, d.key, d.expires_at FROM d JOIN (SELECT scope, key"
-                " FROM gone UNION ALL SELECT scope, key FROM soft) changed USING (scope, key))"
+                " AND d.status <> 'expired' RETURNING t.scope, t.key, d.expires_at),"
+                " done AS (SELECT * FROM gone UNION ALL SELECT * FROM soft)"
                 f" {summary}"
             )
             args = (batch_size, seconds(audit_retention))
@@ -293,9 +292,9 @@ class Maintenance:
             rows = await store.run("prune", "", None, batch)
             elapsed = time.perf_counter() - started
             scopes = [r for r in rows if r["scope"] is not None]
-            picked = sum(r["n"] for r in rows if r["scope"] is None)
+            # the batch's own row: what it picked, and the last expiry among those (None: none)
+            picked, last = next((r["n"], r["last"]) for r in rows if r["scope"] is None)
             pruned = sum(r["n"] for r in scopes)
-            last = max((r["last"] for r in rows if r["last"] is not None), default=None)
             if last is not None:
                 after = last
             for r in scopes:
