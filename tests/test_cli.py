@@ -84,7 +84,9 @@ async def test_sweep_and_prune(pg_dsn: str, pg_pool: Any, store: Any, scope: str
         " WHERE scope = $1 AND key = 'old'",
         scope,
     )
-    code, out, _ = await cli("prune", "--batch-size", "10", "--json", dsn=pg_dsn)
+    code, out, _ = await cli(
+        "prune", "--batch-size", "10", "--max-rows-per-s", "0", "--json", dsn=pg_dsn
+    )
     assert code == 0 and json.loads(out)["rows"] >= 1
     assert await store.get(scope, "old") is None
 

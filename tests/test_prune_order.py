@@ -1,10 +1,12 @@
 """Pruning walks the expiry index once, oldest first, whatever the physical order of the rows:
 what keeps a prune of a million expired rows in a big store fast (see ``store.prune.*`` in the
-benchmarks)."""
+benchmarks); and it keeps its pace (``max_rows_per_s``), which is what keeps the live
+reservations beside it at their speed."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -81,3 +83,32 @@ async def test_each_batch_starts_where_the_last_one_ended(
     # walked once: about 4,000 entries, not 40 times over the 2,000 unknown ones (80,000)
     assert await expiry_index_reads(own_store, pg_pool) < 8000
     assert await own_store.maintenance.count_unknown() == 2000
+
+
+async def test_a_paced_prune_spreads_its_batches_at_its_pace(own_store: PostgresStore) -> None:
+    await add(own_store, 40, "completed", [float(i + 1) for i in range(40)])
+    started = time.perf_counter()
+    report = await own_store.maintenance.prune(batch_size=10, max_rows_per_s=100)
+    took = time.perf_counter() - started
+    assert (report.rows, report.batches, report.finished) == (40, 5, True)
+    # each batch after the first waits for the 10 rows before it (0.1 s at 100 rows/s); the
+    # event loop may wake a timer up to its clock's resolution early, hence the 5 ms
+    assert took >= 4 * 0.1 - 0.005, took
+
+
+async def test_a_stop_ends_a_paced_prune_while_it_waits(own_store: PostgresStore) -> None:
+    await add(own_store, 40, "completed", [float(i + 1) for i in range(40)])
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.2, stop.set)
+    # after its first batch the prune would wait 1,000 s for its next one
+    report = await asyncio.wait_for(
+        own_store.maintenance.prune(batch_size=10, max_rows_per_s=0.01, stop=stop), 10
+    )
+    assert (report.rows, report.batches, report.finished) == (10, 1, False)
+    rest = await own_store.maintenance.prune(batch_size=10, max_rows_per_s=0)
+    assert (rest.rows, rest.finished) == (30, True)
+
+
+async def test_a_negative_pace_is_refused(own_store: PostgresStore) -> None:
+    with pytest.raises(ValueError, match="max_rows_per_s"):
+        await own_store.maintenance.prune(max_rows_per_s=-1)

@@ -39,6 +39,7 @@ from consumer_idem.cli.output import (
 from consumer_idem.cli.settings import Settings, load_settings
 from consumer_idem.errors import ConsumerIdemError, SchemaMissing
 from consumer_idem.stores.postgres.maintenance import (
+    DEFAULT_PRUNE_RATE,
     KeyInfo,
     KeyPage,
     PrunePolicy,
@@ -556,11 +557,16 @@ def build_app() -> Any:
         ] = PrunePolicy.DELETE,
         batch_size: Annotated[int, typer.Option(min=1, help="rows per statement")] = 200,
         max_batches: Annotated[int | None, typer.Option(min=1, help="stop after this many")] = None,
+        max_rows_per_s: Annotated[
+            float,
+            typer.Option(min=0, help="pace: rows a second at most (0: as fast as it goes)"),
+        ] = DEFAULT_PRUNE_RATE,
         dsn: DsnOpt = None,
         schema: SchemaOpt = None,
         as_json: JsonOpt = False,
     ) -> None:
-        """Delete (or soft-expire) records past retention, in small batches."""
+        """Delete (or soft-expire) records past retention, in small batches, paced so that
+        live traffic beside it keeps its speed."""
         reporter = Reporter(f"prune ({policy.value})", interval=options.progress_interval)
         interrupted = False
 
@@ -580,6 +586,7 @@ def build_app() -> Any:
                             r.rows, max(total, r.rows), f"{r.batches} batches"
                         ),
                         stop=stop,
+                        max_rows_per_s=max_rows_per_s,
                     )
                 interrupted = stop.is_set() and not report.finished
                 return report
