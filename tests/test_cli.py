@@ -10,6 +10,8 @@ import sys
 import uuid
 from typing import Any
 
+import pytest
+
 from consumer_idem.stores.postgres import migrate
 from tests._cli import cli
 
@@ -27,6 +29,12 @@ async def test_unreachable_database_is_a_clear_error() -> None:
     code, _, err = await cli("migrate", "--dsn", "postgresql://u:p@127.0.0.1:1/none")
     assert code == 2
     assert "cannot connect to PostgreSQL" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("pace", ["inf", "nan", "-1"])
+async def test_a_prune_pace_that_is_no_pace_is_a_clear_error(pg_dsn: str, pace: str) -> None:
+    code, _, err = await cli("prune", "--max-rows-per-s", pace, dsn=pg_dsn)
+    assert code == 2 and "--max-rows-per-s" in err and "Traceback" not in err
 
 
 async def test_invalid_schema_is_a_clear_error(pg_dsn: str) -> None:

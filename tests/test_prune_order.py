@@ -9,6 +9,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import asyncpg
 import pytest
@@ -109,6 +110,39 @@ async def test_a_stop_ends_a_paced_prune_while_it_waits(own_store: PostgresStore
     assert (rest.rows, rest.finished) == (30, True)
 
 
-async def test_a_negative_pace_is_refused(own_store: PostgresStore) -> None:
-    with pytest.raises(ValueError, match="max_rows_per_s"):
-        await own_store.maintenance.prune(max_rows_per_s=-1)
+@pytest.mark.parametrize(
+    ("argument", "error"),
+    [
+        ({"max_rows_per_s": -1.0}, ValueError),
+        ({"max_rows_per_s": float("nan")}, ValueError),  # every wait NaN: no pace at all
+        ({"max_rows_per_s": float("inf")}, ValueError),  # every wait zero: no pace at all
+        ({"max_rows_per_s": "100"}, TypeError),
+        ({"max_rows_per_s": True}, TypeError),
+        ({"max_batches": 0}, ValueError),  # no batch, yet it said it had finished
+    ],
+)
+async def test_a_bad_pace_or_batch_count_is_refused_before_any_batch(
+    own_store: PostgresStore, argument: dict[str, Any], error: type[Exception]
+) -> None:
+    await add(own_store, 10, "completed", [float(i + 1) for i in range(10)])
+    with pytest.raises(error, match=next(iter(argument))):
+        await own_store.maintenance.prune(**argument)
+    assert await own_store.maintenance.count_prunable() == 10
+
+
+async def test_a_cancellation_with_the_stop_reaches_the_caller(own_store: PostgresStore) -> None:
+    # a shutdown that sets the stop and cancels the task at once, while the prune waits: on
+    # Python 3.11 asyncio.wait_for returned normally there, and the cancellation was lost
+    await add(own_store, 40, "completed", [float(i + 1) for i in range(40)])
+    stop, first = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(
+        own_store.maintenance.prune(
+            batch_size=10, max_rows_per_s=0.01, stop=stop, on_batch=lambda _: first.set()
+        )
+    )
+    await asyncio.wait_for(first.wait(), 10)
+    await asyncio.sleep(0.05)  # the prune is waiting for its next batch
+    stop.set()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

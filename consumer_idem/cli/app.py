@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager, suppress
@@ -567,6 +568,11 @@ def build_app() -> Any:
     ) -> None:
         """Delete (or soft-expire) records past retention, in small batches, paced so that
         live traffic beside it keeps its speed."""
+        if not math.isfinite(max_rows_per_s):  # inf would be no pace at all: 0 says so
+            raise typer.BadParameter(
+                "a finite number of rows a second, or 0 for no pace",
+                param_hint="'--max-rows-per-s'",
+            )
         reporter = Reporter(f"prune ({policy.value})", interval=options.progress_interval)
         interrupted = False
 

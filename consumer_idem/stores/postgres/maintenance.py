@@ -15,6 +15,8 @@ import binascii
 import contextlib
 import json
 import logging
+import math
+import numbers
 import time
 from collections import Counter
 from collections.abc import Callable, Collection
@@ -165,9 +167,29 @@ async def _wait_until(due: float, stop: asyncio.Event | None) -> bool:
             await asyncio.sleep(wait)
         return True
     if wait > 0 and not stop.is_set():
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns normally when the
+        # task is cancelled just as the event is set (a shutdown that sets stop and cancels),
+        # and the cancellation is lost
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), wait)
+            async with asyncio.timeout(wait):
+                await stop.wait()
     return not stop.is_set()
+
+
+def _pace(max_rows_per_s: Any) -> float:
+    """``max_rows_per_s`` as rows a second (0.0: unpaced), or a clear error before any batch."""
+    if max_rows_per_s is None:
+        return 0.0
+    if isinstance(max_rows_per_s, bool) or not isinstance(max_rows_per_s, numbers.Real):
+        raise TypeError(f"max_rows_per_s must be a number, not {max_rows_per_s!r}")
+    rate = float(max_rows_per_s)
+    # NaN would make every wait NaN and infinity every wait zero: both silently unpaced
+    if not (math.isfinite(rate) and rate >= 0):
+        raise ValueError(
+            f"max_rows_per_s must be a finite number of rows a second, or 0 for no pace,"
+            f" not {max_rows_per_s!r}"
+        )
+    return rate
 
 
 class Maintenance:
@@ -246,16 +268,18 @@ class Maintenance:
 
         ``max_rows_per_s`` paces the prune (None or 0: as fast as the database goes). Every
         pruned row writes WAL (a whole page image for the first row of each page after a
-        checkpoint), and the live reservations' commits wait for that WAL to reach the disk: an
-        unpaced prune runs them at a third of their speed on a small machine, as autovacuum
-        would without its cost limit. The default keeps a prune beside live traffic gentle and
-        still clears 72 million rows an hour; see the retention page to tune it."""
+        checkpoint), and the live reservations' commits wait for that WAL to reach the disk: on a
+        2-core machine an unpaced prune made them about a third slower, as autovacuum would
+        without its cost limit. The default keeps a prune beside live traffic gentle and still
+        clears 72 million rows an hour; see the retention page to tune it.
+
+        A row another transaction holds locked at the time is skipped (SKIP LOCKED) and left
+        to the next prune, so ``finished`` says that this prune found nothing more to take."""
         if batch_size < 1:  # a batch of none would never finish
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
-        if max_rows_per_s is not None and max_rows_per_s < 0:
-            raise ValueError(
-                f"max_rows_per_s must be positive (or 0: unpaced), not {max_rows_per_s}"
-            )
+        if max_batches is not None and max_batches < 1:  # none run: nothing could be said
+            raise ValueError(f"max_batches must be at least 1 (or None), not {max_batches}")
+        pace = _pace(max_rows_per_s)
         store = self.store
         live = "('completed', 'failed_retryable', 'expired')"
         # Oldest first, along the expiry index, each batch starting where the last one ended
@@ -314,7 +338,7 @@ class Maintenance:
         after = datetime.min.replace(tzinfo=UTC)  # the keyset cursor: expires_at of the last
         next_at = 0.0  # pacing: when the next batch may start
         while max_batches is None or report.batches < max_batches:
-            if max_rows_per_s and next_at and not await _wait_until(next_at, stop):
+            if pace and next_at and not await _wait_until(next_at, stop):
                 break  # stopped while pacing (the last batch was full: not finished)
             started = time.perf_counter()
             batch_args = (args[0], after, *args[1:])
@@ -348,10 +372,10 @@ class Maintenance:
                 on_batch(report)
             if picked < batch_size or (stop is not None and stop.is_set()):
                 break
-            if max_rows_per_s:
+            if pace:
                 # a batch earns its rows' time from when it started (or was due, if later):
                 # a slow stretch earns no credit to be spent in a burst afterwards
-                next_at = max(next_at, started) + picked / max_rows_per_s
+                next_at = max(next_at, started) + picked / pace
         return report
 
     async def count_expired_leases(self) -> int:
