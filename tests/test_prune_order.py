@@ -14,7 +14,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from consumer_idem import PostgresStore
+from consumer_idem import PostgresStore, PrunePolicy
 
 
 @pytest.fixture
@@ -146,3 +146,31 @@ async def test_a_cancellation_with_the_stop_reaches_the_caller(own_store: Postgr
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_a_prune_takes_only_what_had_expired_when_it_began(
+    own_store: PostgresStore,
+) -> None:
+    await add(own_store, 30, "completed", [float(i + 1) for i in range(30)])
+    # these expire 0.3 s after the prune begins, while its pace holds it (0.25 s a batch)
+    await add(own_store, 5, "failed_retryable", [-0.3] * 5)
+    report = await own_store.maintenance.prune(batch_size=10, max_rows_per_s=40)
+    assert (report.rows, report.finished) == (30, True)
+    await asyncio.sleep(0.3)
+    assert await own_store.maintenance.count_prunable() == 5
+
+
+async def test_a_soft_prune_never_meets_its_own_rows_again(own_store: PostgresStore) -> None:
+    # with no audit time the rows it soft-expires are due at once: the same prune must not
+    # delete them too (and count each twice); a later prune does
+    await add(own_store, 30, "completed", [float(i + 1) for i in range(30)])
+    soft = await own_store.maintenance.prune(
+        policy=PrunePolicy.SOFT, batch_size=10, audit_retention=0, max_rows_per_s=0
+    )
+    assert (soft.rows, soft.finished) == (30, True)
+    statuses = await own_store.pool.fetch(
+        f"SELECT status, count(*) AS n FROM {own_store.table} GROUP BY status"
+    )
+    assert [(r["status"], r["n"]) for r in statuses] == [("expired", 30)]
+    gone = await own_store.maintenance.prune(policy=PrunePolicy.SOFT, max_rows_per_s=0)
+    assert gone.rows == 30

@@ -287,9 +287,13 @@ class Maintenance:
         # until vacuumed) or of old rows that are never pruned (unknown, in progress). Without
         # the ORDER BY the planner may pick a sequential scan, and a batch then reads every
         # live row stored ahead of the expired ones.
+        # What had expired when the prune began ($3, the first batch's now(), which it answers):
+        # a prune ends, however long its pace makes it, and never meets again the rows it
+        # soft-expired itself (their new expiry is after it began), even with no audit time.
         due = (
-            f"FROM {store.table} WHERE expires_at < now() AND expires_at >= $2"
-            f" AND status IN {live} ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED"
+            f"FROM {store.table} WHERE expires_at < coalesce($3::timestamptz, now())"
+            f" AND expires_at >= $2 AND status IN {live}"
+            " ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED"
         )
         # What comes back is one row per scope (its count, the batch's last expiry, and the
         # keys only when a cache must drop them), not one per record: a batch is then a few
@@ -302,8 +306,9 @@ class Maintenance:
             (", array_agg(key) AS keys", ", NULL") if store.cache is not None else ("", "")
         )
         summary = (
-            f"SELECT scope, count(*) AS n, max(expires_at) AS last{keys} FROM done GROUP BY scope"
-            f" UNION ALL SELECT NULL, count(*), max(expires_at){no_keys} FROM d"
+            f"SELECT scope, count(*) AS n, max(expires_at) AS last{keys}, NULL::timestamptz AS at"
+            f" FROM done GROUP BY scope UNION ALL SELECT NULL, count(*), max(expires_at){no_keys},"
+            " now() FROM d"
         )
         # The batch's rows are found again by their physical address (table and ctid), not
         # their key: they are locked (FOR UPDATE) since they were picked, so it cannot move,
@@ -328,7 +333,7 @@ class Maintenance:
                 f" gone AS (DELETE FROM {store.table} t USING d WHERE {at}"
                 " AND d.status = 'expired' RETURNING t.scope, t.key, d.expires_at),"
                 f" soft AS (UPDATE {store.table} t SET status = 'expired', updated_at = now(),"
-                f" expires_at = now() + $3::interval FROM d WHERE {at}"
+                f" expires_at = now() + $4::interval FROM d WHERE {at}"
                 " AND d.status <> 'expired' RETURNING t.scope, t.key, d.expires_at),"
                 " done AS (SELECT * FROM gone UNION ALL SELECT * FROM soft)"
                 f" {summary}"
@@ -336,12 +341,13 @@ class Maintenance:
             args = (batch_size, seconds(audit_retention))
         report = PruneReport(policy=policy)
         after = datetime.min.replace(tzinfo=UTC)  # the keyset cursor: expires_at of the last
+        began_at: datetime | None = None  # the database's now() in the first batch
         next_at = 0.0  # pacing: when the next batch may start
         while max_batches is None or report.batches < max_batches:
             if pace and next_at and not await _wait_until(next_at, stop):
                 break  # stopped while pacing (the last batch was full: not finished)
             started = time.perf_counter()
-            batch_args = (args[0], after, *args[1:])
+            batch_args = (args[0], after, began_at, *args[1:])
 
             async def batch(c: Any, a: tuple[Any, ...] = batch_args) -> list[Any]:
                 return list(await c.fetch(sql, *a, timeout=store.command_timeout))
@@ -349,8 +355,12 @@ class Maintenance:
             rows = await store.run("prune", "", None, batch)
             elapsed = time.perf_counter() - started
             scopes = [r for r in rows if r["scope"] is not None]
-            # the batch's own row: what it picked, and the last expiry among those (None: none)
-            picked, last = next((r["n"], r["last"]) for r in rows if r["scope"] is None)
+            # the batch's own row: what it picked, the last expiry among those (None: none) and
+            # its now(), the cutoff of every later batch
+            picked, last, at = next(
+                (r["n"], r["last"], r["at"]) for r in rows if r["scope"] is None
+            )
+            began_at = began_at or at
             pruned = sum(r["n"] for r in scopes)
             if last is not None:
                 after = last
