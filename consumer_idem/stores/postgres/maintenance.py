@@ -280,6 +280,9 @@ class Maintenance:
         if max_batches is not None and max_batches < 1:  # none run: nothing could be said
             raise ValueError(f"max_batches must be at least 1 (or None), not {max_batches}")
         pace = _pace(max_rows_per_s)
+        audit_s = seconds(audit_retention)
+        if audit_s < timedelta(0):  # a soft-expired row already due: this prune would delete it
+            raise ValueError(f"audit_retention must not be negative, not {audit_retention!r}")
         store = self.store
         live = "('completed', 'failed_retryable', 'expired')"
         # Oldest first, along the expiry index, each batch starting where the last one ended
@@ -287,11 +290,12 @@ class Maintenance:
         # until vacuumed) or of old rows that are never pruned (unknown, in progress). Without
         # the ORDER BY the planner may pick a sequential scan, and a batch then reads every
         # live row stored ahead of the expired ones.
-        # What had expired when the prune began ($3, the first batch's now(), which it answers):
-        # a prune ends, however long its pace makes it, and never meets again the rows it
-        # soft-expired itself (their new expiry is after it began), even with no audit time.
+        # What had expired when the prune began ($3, the first batch's now(), which it answers;
+        # LEAST skips its NULL in the first batch, and a clock stepped back since then keeps
+        # each batch to its own now()): a prune ends, however long its pace makes it, and never
+        # meets again the rows it soft-expired itself (their new expiry is after it began).
         due = (
-            f"FROM {store.table} WHERE expires_at < coalesce($3::timestamptz, now())"
+            f"FROM {store.table} WHERE expires_at < least($3::timestamptz, now())"
             f" AND expires_at >= $2 AND status IN {live}"
             " ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED"
         )
@@ -338,7 +342,7 @@ class Maintenance:
                 " done AS (SELECT * FROM gone UNION ALL SELECT * FROM soft)"
                 f" {summary}"
             )
-            args = (batch_size, seconds(audit_retention))
+            args = (batch_size, audit_s)
         report = PruneReport(policy=policy)
         after = datetime.min.replace(tzinfo=UTC)  # the keyset cursor: expires_at of the last
         began_at: datetime | None = None  # the database's now() in the first batch
