@@ -159,13 +159,9 @@ MAX_PAGE = 10_000
 DEFAULT_PRUNE_RATE = 20_000.0
 
 
-async def _wait_until(due: float, stop: asyncio.Event | None) -> bool:
+async def _wait_until(due: float, stop: asyncio.Event) -> bool:
     """Sleep until ``due`` (``time.perf_counter()``), or until ``stop`` is set: False then."""
     wait = due - time.perf_counter()
-    if stop is None:
-        if wait > 0:
-            await asyncio.sleep(wait)
-        return True
     if wait > 0 and not stop.is_set():
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns normally when the
         # task is cancelled just as the event is set (a shutdown that sets stop and cancels),
@@ -283,6 +279,7 @@ class Maintenance:
         audit_s = seconds(audit_retention)
         if audit_s < timedelta(0):  # a soft-expired row already due: this prune would delete it
             raise ValueError(f"audit_retention must not be negative, not {audit_retention!r}")
+        stop = stop if stop is not None else asyncio.Event()  # one kind of wait, set or not
         store = self.store
         live = "('completed', 'failed_retryable', 'expired')"
         # Oldest first, along the expiry index, each batch starting where the last one ended
@@ -346,9 +343,9 @@ class Maintenance:
         report = PruneReport(policy=policy)
         after = datetime.min.replace(tzinfo=UTC)  # the keyset cursor: expires_at of the last
         began_at: datetime | None = None  # the database's now() in the first batch
-        next_at = 0.0  # pacing: when the next batch may start
+        next_at = 0.0  # pacing: when the next batch may start (0: now, and always unpaced)
         while max_batches is None or report.batches < max_batches:
-            if pace and next_at and not await _wait_until(next_at, stop):
+            if next_at and not await _wait_until(next_at, stop):
                 break  # stopped while pacing (the last batch was full: not finished)
             started = time.perf_counter()
             batch_args = (args[0], after, began_at, *args[1:])
@@ -384,7 +381,7 @@ class Maintenance:
             )
             if on_batch is not None:
                 on_batch(report)
-            if picked < batch_size or (stop is not None and stop.is_set()):
+            if picked < batch_size or stop.is_set():
                 break
             if pace:
                 # a batch earns its rows' time from when it started (or was due, if later):
