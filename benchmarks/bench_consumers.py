@@ -11,7 +11,8 @@ Kafka, eight partitions, one message per transaction: a plain aiokafka consumer 
 per partition (all eight at once, like the runner) and an offset commit per 50 records, against
 ``KafkaRunner``.
 FastStream on Kafka, one partition: the same subscriber (``AckPolicy.MANUAL``, the effect in a
-transaction, then the ack) with and without the ``Idempotency`` middleware.
+transaction, then the ack) with and without the ``Idempotency`` middleware; and the same for a
+batch subscriber (``batch=True``: the set-based effect per delivered batch, then the commit).
 Kafka, horizontally: 1, 2 and 4 consumer processes of one group over eight partitions, batch
 mode (``benchmarks/kafka_scale.py``), with where the CPU went.
 RabbitMQ: plain aio-pika (prefetch 32, effect in a transaction, ack) vs. the decorator.
@@ -170,6 +171,29 @@ async def plain_kafka_per_partition(pool: asyncpg.Pool, topic: str, count: int) 
     return clock.rate()
 
 
+async def _measure(broker: Any, router: Any, clock: Clock, idem: Any, count: int) -> float:
+    """Run the broker until ``count`` messages were settled: counted by the plain handler on
+    ``clock``, or from the middleware's stats."""
+    broker.include_router(router)
+    await broker.start()
+    seen = 0
+
+    def done() -> bool:
+        nonlocal seen
+        if idem is None:
+            return clock.count >= count
+        if idem.stats.processed > seen:
+            clock.tick(idem.stats.processed - seen)
+            seen = idem.stats.processed
+        return seen >= count
+
+    try:
+        await until(done)
+    finally:
+        await broker.stop()
+    return clock.rate()
+
+
 async def faststream_kafka(
     pool: asyncpg.Pool, store: PostgresStore, topic: str, idempotent: bool, count: int
 ) -> float:
@@ -212,24 +236,55 @@ async def faststream_kafka(
             await message.ack()
             clock.tick()
 
-    broker.include_router(router)
-    await broker.start()
-    seen = 0
+    return await _measure(broker, router, clock, idem, count)
 
-    def done() -> bool:
-        nonlocal seen
-        if idem is None:
-            return clock.count >= count
-        if idem.stats.processed > seen:
-            clock.tick(idem.stats.processed - seen)
-            seen = idem.stats.processed
-        return seen >= count
 
-    try:
-        await until(done)
-    finally:
-        await broker.stop()
-    return clock.rate()
+async def faststream_kafka_batch(
+    pool: asyncpg.Pool, store: PostgresStore, topic: str, idempotent: bool
+) -> float:
+    """One FastStream batch subscriber (``batch=True``, ``AckPolicy.MANUAL``, up to 500 records
+    a batch), with or without the middleware: the set-based effect for the batch in
+    one transaction, then the commit of the offsets; over the whole topic."""
+    from faststream import AckPolicy
+    from faststream.kafka import KafkaBroker, KafkaMessage, KafkaRouter
+
+    from consumer_idem.faststream import CurrentIdempotencyBatch, Idempotency
+
+    broker = KafkaBroker(
+        load_settings().kafka_bootstrap, acks="all", enable_idempotence=True, logger=None
+    )
+    clock = Clock()
+    options: dict[str, Any] = {
+        "group_id": f"fsb-{uuid.uuid4().hex}",
+        "batch": True,
+        "max_records": 500,  # the batch size of the other batch entries (KafkaRunner's default)
+        "ack_policy": AckPolicy.MANUAL,
+        "auto_offset_reset": "earliest",
+    }
+    idem: Idempotency | None = None
+    if idempotent:
+        idem = Idempotency(
+            store, broker=broker, scope=f"fsb-{uuid.uuid4().hex[:6]}", key=header("idempotency-key")
+        )
+        router = KafkaRouter(middlewares=[idem])
+
+        @router.subscriber(topic, **options)
+        async def idempotent_handler(
+            bodies: list[dict[str, Any]], current: CurrentIdempotencyBatch
+        ) -> None:
+            await record_payments(current.messages, current.conn)
+
+    else:
+        router = KafkaRouter()
+
+        @router.subscriber(topic, **options)
+        async def plain_handler(bodies: list[dict[str, Any]], message: KafkaMessage) -> None:
+            async with pool.acquire() as conn, conn.transaction():
+                await record_payments([to_message(r) for r in message.raw_message], conn)
+            await message.ack()
+            clock.tick(len(bodies))
+
+    return await _measure(broker, router, clock, idem, N)
 
 
 async def alternate(
@@ -311,6 +366,17 @@ async def kafka_entries(
         results += [
             entry("faststream.kafka.plain", base, "msg/s", None),
             entry("faststream.kafka.idempotent", subject, "msg/s", base),
+        ]
+        # FastStream batch subscribers, one partition, the whole topic
+        base, subject, ratios = await alternate(
+            3,
+            lambda: faststream_kafka_batch(pool, store, one, False),
+            lambda: faststream_kafka_batch(pool, store, one, True),
+        )
+        print(f"   faststream batch ratios per round: {ratios}", flush=True)
+        results += [
+            entry("faststream.kafka.plain.batch", base, "msg/s", None),
+            entry("faststream.kafka.idempotent.batch", subject, "msg/s", base),
         ]
     finally:
         await admin.delete_topics([one, eight])

@@ -52,9 +52,10 @@ import asyncio
 import base64
 import functools
 import logging
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Annotated, Any, Protocol, Unpack
 
@@ -74,6 +75,13 @@ from consumer_idem.errors import (
     PoisonMessage,
 )
 from consumer_idem.execution import Attempt
+from consumer_idem.faststream import batch
+from consumer_idem.faststream.batch import (
+    CurrentIdempotencyBatch as CurrentIdempotencyBatch,
+)
+from consumer_idem.faststream.batch import (
+    IdempotencyBatchContext as IdempotencyBatchContext,
+)
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import KEY_HEADER, SCOPE_HEADER, Notice
 from consumer_idem.options import ConsumerArgs, ConsumerOptions, Mode
@@ -125,10 +133,12 @@ CurrentIdempotency = Annotated[IdempotencyContext, Context(CONTEXT_NAME)]
 
 class _Settled(Exception):
     """Raised from the handler call so that FastStream publishes nothing for this delivery
-    (dead letter, retry, unknown, domain error); the middleware swallows it after settling."""
+    (dead letter, retry, unknown, domain error, any batch); the middleware swallows it after
+    settling."""
 
-    def __init__(self, verdict: Verdict) -> None:
-        super().__init__(f"consumer-idem: {verdict.action} ({verdict.reason})")
+    def __init__(self, verdict: Verdict | None) -> None:
+        what = "batch" if verdict is None else f"{verdict.action} ({verdict.reason})"
+        super().__init__(f"consumer-idem: {what}")
         self.verdict = verdict
 
 
@@ -251,6 +261,14 @@ class _Kafka:
         self._consumer_type = AIOKafkaConsumer
         self._tp = TopicPartition
         self._commit_errors = (CommitFailedError, IllegalStateError, KafkaError, AssertionError)
+        # batch subscribers' background commits, per consumer: the offsets still to commit
+        # and the task committing them
+        self._uncommitted: weakref.WeakKeyDictionary[Any, dict[tuple[str, int], int]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._committers: weakref.WeakKeyDictionary[Any, asyncio.Task[None]] = (
+            weakref.WeakKeyDictionary()
+        )
         options = getattr(broker, "_connection_kwargs", {})  # FastStream keeps them here
         if options.get("acks") not in ("all", -1) and not options.get("enable_idempotence"):
             log.warning(
@@ -263,12 +281,7 @@ class _Kafka:
         from consumer_idem.transports.kafka import to_message
 
         record = message.raw_message
-        if isinstance(record, tuple):
-            raise IdempotencyConfigError(
-                "batch subscribers are not supported by the FastStream middleware; use "
-                "consumer_idem.transports.kafka.KafkaRunner with @idempotent_consumer(batch=True)"
-            )
-        if not hasattr(record, "offset"):
+        if not hasattr(record, "offset"):  # (a batch's tuple goes through members())
             raise IdempotencyConfigError("a Kafka Idempotency middleware got a non-Kafka message")
         return to_message(record)
 
@@ -299,26 +312,57 @@ class _Kafka:
 
     async def ack(self, message: StreamMessage[Any]) -> None:
         record = message.raw_message
+        # This partition only, up to this record: FastStream's own ack commits every
+        # partition's position, which may be ahead of what is done.
+        await self.commit(message, {(record.topic, record.partition): record.offset + 1})
+        message.committed = AckStatus.ACKED
+
+    async def commit(
+        self, message: StreamMessage[Any], offsets: dict[tuple[str, int], int]
+    ) -> None:
+        """Commit ``{(topic, partition): next offset}`` through the delivery's consumer."""
         consumer = getattr(message, "consumer", None)
         if isinstance(consumer, self._consumer_type):
-            # This partition only, up to this record: FastStream's own ack commits every
-            # partition's position, which may be ahead of what is done.
-            offsets = {self._tp(record.topic, record.partition): record.offset + 1}
             try:
-                await consumer.commit(offsets)
+                await consumer.commit({self._tp(*tp): offset for tp, offset in offsets.items()})
             except self._commit_errors as exc:
                 # Rebalancing, or no longer ours: the next owner re-reads from the last commit
                 # and meets completed records (replays), so nothing is lost or doubled.
-                log.warning(
-                    "commit of %s/%s@%s failed: %r",
-                    record.topic,
-                    record.partition,
-                    record.offset + 1,
-                    exc,
-                )
-        elif consumer is not None:  # FastStream's test consumer: nothing to commit
+                log.warning("commit of %s failed: %r", offsets, exc)
+        elif consumer is not None and offsets:  # FastStream's test consumer: nothing to commit
             await consumer.commit()
-        message.committed = AckStatus.ACKED
+
+    def commit_soon(self, message: StreamMessage[Any], offsets: dict[tuple[str, int], int]) -> None:
+        """Commit in the background, the latest offsets first come: the subscriber fetches and
+        runs its next batch instead of waiting for the broker (a few ms per commit). A commit
+        that lags, or is lost when the consumer stops, only widens what is delivered again,
+        and the keys make those replays (as ``KafkaRunner``'s background commits)."""
+        consumer = getattr(message, "consumer", None)
+        if consumer is None or not offsets:
+            return
+        uncommitted = self._uncommitted.setdefault(consumer, {})
+        for tp, offset in offsets.items():
+            uncommitted[tp] = max(offset, uncommitted.get(tp, 0))
+        running = self._committers.get(consumer)
+        if running is None or running.done():
+            task = asyncio.create_task(self._commit_latest(message, consumer))
+            task.add_done_callback(_log_failure)
+            self._committers[consumer] = task
+
+    async def _commit_latest(self, message: StreamMessage[Any], consumer: Any) -> None:
+        while offsets := self._uncommitted.pop(consumer, None):
+            await self.commit(message, offsets)
+
+    def seek(self, message: StreamMessage[Any], offsets: dict[tuple[str, int], int]) -> None:
+        """Deliver each partition again from ``offsets[(topic, partition)]``."""
+        consumer = getattr(message, "consumer", None)
+        if consumer is None:
+            return
+        for tp, offset in offsets.items():
+            try:
+                consumer.seek(self._tp(*tp), offset)
+            except self._commit_errors as exc:  # revoked meanwhile: its next owner re-reads it
+                log.warning("seek of %s/%s to %s failed: %r", *tp, offset, exc)
 
     async def retry(self, message: StreamMessage[Any]) -> None:
         await message.nack()  # seeks back to this record: it is the next one fetched
@@ -334,15 +378,27 @@ class _Kafka:
         to: str,
         body_dropped: bool = False,
     ) -> None:
+        await self.dead_letter_record(
+            message.raw_message, verdict, to, body_dropped, message.correlation_id
+        )
+
+    async def dead_letter_record(
+        self,
+        record: Any,
+        verdict: Verdict,
+        to: str,
+        body_dropped: bool = False,
+        correlation_id: str | None = None,
+    ) -> None:
+        """One record to ``to``, as ``KafkaRunner`` dead-letters it (a batch member too)."""
         from consumer_idem.transports.kafka import dead_letter_headers
 
-        record = message.raw_message
         await self._publish(
             to,
             b"" if body_dropped else record.value,
             record.key,
             dead_letter_headers(record, verdict, body_dropped),
-            message.correlation_id,
+            correlation_id,
         )
 
     async def notice(self, scope: str, key: str, body: bytes) -> None:
@@ -376,6 +432,11 @@ class _Kafka:
         await self.broker.publish(
             body or b"", topic, key=key, headers=text, correlation_id=correlation_id
         )
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("background commit failed: %r", exc, exc_info=exc)
 
 
 class _Rabbit:
@@ -558,6 +619,7 @@ class Idempotency:
         self.max_hold = max_hold
         self.stats = RunnerStats()
         self.transport = self._transport_for(broker)
+        self._batch_consumer: IdempotentConsumer | None = None
 
     def _build(self, store: PostgresStore) -> IdempotentConsumer:
         attach_dispatcher(store, self, [self.scope])  # the outbox goes out through the broker
@@ -592,6 +654,22 @@ class Idempotency:
         return self._consumer
 
     @property
+    def batch_consumer(self) -> IdempotentConsumer:
+        """The core consumer of Kafka batch subscribers: the same options in batch mode (see
+        :mod:`consumer_idem.faststream.batch`)."""
+        if self._batch_consumer is None:
+            if self.options.mode != "transactional":
+                raise IdempotencyConfigError(
+                    "a batch subscriber commits its batch in one transaction: transactional "
+                    "mode only (two-phase runs external I/O per message: subscribe without "
+                    "batch=True)"
+                )
+            self._batch_consumer = IdempotentConsumer(
+                self._handle_batch, store=self.store, options=replace(self.options, batch=True)
+            )
+        return self._batch_consumer
+
+    @property
     def store(self) -> PostgresStore:
         return self.consumer.store
 
@@ -620,17 +698,11 @@ class Idempotency:
             outbox=None if conn is None else outbox_for(conn),
         )
         with call.context.scope(CONTEXT_NAME, ctx):
-            try:
-                result = await call.call_next(call.message)
-            except AckMessage:  # "done, ack it": what was written so far commits, unpublished
-                return dict(_ACK_ONLY)
-            except NackMessage as exc:  # "deliver it again": roll back, retry with backoff
-                raise RuntimeError("the handler asked for redelivery (NackMessage)") from exc
-            except RejectMessage as exc:
-                raise PoisonMessage("rejected", "the handler rejected the message") from exc
-            except _validation_errors() as exc:  # the body does not fit the handler's types
-                raise PoisonMessage("invalid_payload", str(exc)[:500]) from exc
-        return _store_form(result)
+            result = await _call(call.call_next, call.message)
+        return dict(_ACK_ONLY) if result is _ACKED else _store_form(result)
+
+    async def _handle_batch(self, messages: Sequence[ConsumerMessage], conn: Any) -> list[Any]:
+        return await batch.handle(self, _CURRENT.get(), messages, conn)
 
     # --- publishing, also for Sweeper / Reconciler (consumer_idem.transports.settle.Publisher) ----
 
@@ -673,7 +745,7 @@ class Idempotency:
         )
 
 
-class _Settler:
+class _Settler(batch.SubscriberSide):
     """The settle path's transport (``consumer_idem.transports.settle.Transport``) for one
     subscriber: a subscriber that is shutting down stops retrying publishes."""
 
@@ -690,16 +762,6 @@ class _Settler:
         self.source = source
         self.stats = idem.stats
         self.transport = idem.transport
-
-    @property
-    def store(self) -> PostgresStore:
-        return self.idem.store
-
-    def stopping(self) -> bool:
-        return not getattr(self.subscriber, "running", True)
-
-    def permanent(self, exc: BaseException) -> bool:
-        return self.transport.permanent(exc)
 
     async def ack(self, message: StreamMessage[Any]) -> None:
         await self.transport.ack(message)
@@ -758,6 +820,26 @@ class _Settler:
         await self.transport.redispatch(notice)
 
 
+#: what :func:`_call` answers for a handler that raised FastStream's AckMessage
+_ACKED = object()
+
+
+async def _call(
+    call_next: Callable[[StreamMessage[Any]], Awaitable[Any]], message: StreamMessage[Any]
+) -> Any:
+    """FastStream's handler call, its own exceptions turned into the core's."""
+    try:
+        return await call_next(message)
+    except AckMessage:  # "done, ack it": what was written so far commits, unpublished
+        return _ACKED
+    except NackMessage as exc:  # "deliver it again": roll back, retry with backoff
+        raise RuntimeError("the handler asked for redelivery (NackMessage)") from exc
+    except RejectMessage as exc:
+        raise PoisonMessage("rejected", "the handler rejected the message") from exc
+    except _validation_errors() as exc:  # the body does not fit the handler's types
+        raise PoisonMessage("invalid_payload", str(exc)[:500]) from exc
+
+
 @functools.cache  # once: it runs on every handler call
 def _validation_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = []
@@ -786,6 +868,10 @@ class _Middleware(BaseMiddleware):
         self.subscriber: Any = None
         self.incoming: ConsumerMessage | None = None
         self.verdict: Verdict | None = None
+        #: a batch subscriber's delivery: its records and their verdicts (in order, up to the
+        #: first that must wait)
+        self.members: list[ConsumerMessage] | None = None
+        self.verdicts: list[Verdict] | None = None
 
     async def consume_scope(
         self, call_next: Callable[[StreamMessage[Any]], Awaitable[Any]], msg: StreamMessage[Any]
@@ -800,6 +886,14 @@ class _Middleware(BaseMiddleware):
                 "ack_policy=AckPolicy.MANUAL"
             )
         self.message = msg
+        if isinstance(msg.raw_message, tuple | list):  # a Kafka batch subscriber (a list: tests)
+            self.members = batch.members(idem, self.subscriber, msg)
+            token = _CURRENT.set(_Call(call_next, msg, self.context, ""))
+            try:
+                self.verdicts = await idem.batch_consumer.process_batch(self.members)
+            finally:
+                _CURRENT.reset(token)
+            raise _Settled(None)  # a batch subscriber publishes nothing through FastStream
         incoming = self.incoming = idem.transport.incoming(msg)
         verdict = self._precheck(incoming)
         if verdict is None:
@@ -862,16 +956,25 @@ class _Middleware(BaseMiddleware):
         message, verdict = self.message, self.verdict
         if message is None or isinstance(exc_val, IdempotencyConfigError | asyncio.CancelledError):
             return False  # never ours to settle (or shutting down: it is delivered again)
-        settler = self._settler(message)
-        if verdict is None or (exc_val is not None and not isinstance(exc_val, _Settled)):
+        decided = verdict is not None if self.members is None else self.verdicts is not None
+        if not decided or (exc_val is not None and not isinstance(exc_val, _Settled)):
             # Failed before a verdict, or the result could not be published after the commit:
-            # deliver it again; the redelivery replays the stored result and publishes it.
+            # deliver it again (a batch: each partition from its first record); the redelivery
+            # replays the stored result and publishes it.
             self.idem.stats.retries += 1
             log.warning("delivery not settled, will be delivered again: %r", exc_val)
+            settler = _Settler(self.idem, self.subscriber)
             await settle.pause(self.idem.consumer.backoff_base, settler.stopping)
             await settler.give_back(message)
             return False
-        await settle.settle(settler, message, verdict)
+        if self.members is not None:
+            assert self.verdicts is not None
+            await batch.settle_batch(
+                self.idem, self.subscriber, message, self.members, self.verdicts
+            )
+        else:
+            assert verdict is not None
+            await settle.settle(self._settler(message), message, verdict)
         return exc_val is not None  # our own _Settled: swallowed
 
     def _settler(self, message: StreamMessage[Any]) -> _Settler:

@@ -1,0 +1,241 @@
+"""FastStream Kafka batch subscribers (``@subscriber(topic, batch=True)``) through
+:class:`~consumer_idem.faststream.Idempotency`.
+
+One delivered batch (the records of one ``getmany``, of one or more partitions) is one
+transaction, as in ``KafkaRunner``'s batch mode, decided by the same core
+(``IdempotentConsumer.process_batch``): every key is claimed at once; the handler gets the
+bodies of the members to run (duplicates, within the batch or of earlier ones, and records
+without a valid key never reach it); their effects, results and outgoing messages commit
+together. If that transaction fails, the members run one transaction each (the handler gets a
+list of one): a poison member is dead-lettered alone, a failing one waits alone, the others
+commit.
+
+Settling, in offset order per partition: a member's dead letter or reconciliation notice is
+published (and confirmed) first; then one commit names, for each partition, the offset after its
+last settled record. A partition whose record must wait (a retry, its key in progress elsewhere,
+the store down, a publish not confirmed) is sought back to that record after the wait, so it and
+the records after it are delivered again, and none before it.
+
+A batch subscriber publishes nothing through FastStream: its return value would be one message
+for the whole batch, which a redelivery of part of it could not reproduce. The middleware
+refuses a batch subscriber with publishers; publish per member through the transactional
+outbox (``current.outboxes[i]``), which commits with that member.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, cast
+
+import asyncpg
+from faststream import Context, StreamMessage
+from faststream.message import AckStatus
+
+from consumer_idem.consumer import Verdict, reconcile_notice
+from consumer_idem.errors import IdempotencyConfigError, PoisonMessage
+from consumer_idem.message import ConsumerMessage
+from consumer_idem.notice import Notice
+from consumer_idem.outbox import UnitOutbox, outbox_for
+from consumer_idem.stores.postgres.store import PostgresStore
+from consumer_idem.transports import settle
+
+if TYPE_CHECKING:
+    from consumer_idem.faststream import Idempotency, _Call, _Kafka
+
+log = logging.getLogger("consumer_idem.faststream")
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyBatchContext:
+    """What a batch handler can inject (``current: CurrentIdempotencyBatch``): one entry per
+    body the handler was given, in the same order."""
+
+    scope: str
+    keys: list[str]
+    #: the transport-neutral view of each record (headers as bytes, coordinates)
+    messages: list[ConsumerMessage]
+    #: the open connection: write on it to commit with the records
+    conn: asyncpg.Connection
+    #: each member's outbox: what is published there commits with that member
+    outboxes: list[UnitOutbox]
+
+
+#: the batch's context, for a handler parameter: ``current: CurrentIdempotencyBatch``
+CurrentIdempotencyBatch = Annotated[IdempotencyBatchContext, Context("idempotency")]
+
+
+def members(
+    idem: Idempotency, subscriber: Any, message: StreamMessage[Any]
+) -> list[ConsumerMessage]:
+    """The records of a batch delivery, after checking that the subscriber can run them."""
+    from consumer_idem.faststream import _Kafka
+    from consumer_idem.transports.kafka import to_message
+
+    if not isinstance(idem.transport, _Kafka):
+        raise IdempotencyConfigError("only Kafka delivers batches to a FastStream subscriber")
+    for call in getattr(subscriber, "calls", ()):
+        if getattr(call.handler, "_publishers", None):
+            raise IdempotencyConfigError(
+                "a batch subscriber's return value is one message for the whole batch, which "
+                "a redelivery of part of it could not reproduce: drop its publishers and "
+                "publish per member through current.outboxes[i] (CurrentIdempotencyBatch)"
+            )
+    idem.batch_consumer  # noqa: B018 - refuses two-phase mode here, before anything runs
+    return [to_message(record) for record in message.raw_message]
+
+
+async def handle(
+    idem: Idempotency, call: _Call, messages: Sequence[ConsumerMessage], conn: Any
+) -> list[Any]:
+    """The core's batch handler: FastStream's handler over ``messages`` (all of the delivery,
+    or the part the core runs), one stored result per message."""
+    from consumer_idem.faststream import _ACKED, CONTEXT_NAME, _call, _store_form
+
+    consumer = idem.batch_consumer
+    keys = []
+    for message in messages:
+        prepared = consumer.prepare(message)  # memoized: the core derived it already
+        assert not isinstance(prepared, Verdict), "a member without a key reached the handler"
+        keys.append(prepared[0])
+    current = IdempotencyBatchContext(
+        idem.scope, keys, list(messages), conn, [outbox_for(conn, m) for m in messages]
+    )
+    with call.context.scope(CONTEXT_NAME, current):
+        result = await _call(call.call_next, _narrowed(call.message, messages))
+    if result is None or result is _ACKED:  # nothing to store: a batch publishes nothing
+        return []
+    if not isinstance(result, list | tuple) or len(result) != len(messages):
+        got = f"{len(result)} results" if isinstance(result, list | tuple) else repr(result)[:80]
+        raise PoisonMessage(
+            "batch_result",
+            f"a batch handler returns None or one result per body: {got} for {len(messages)}",
+        )
+    return [None if r is None else _store_form(r) for r in result]
+
+
+def _narrowed(message: StreamMessage[Any], run: Sequence[ConsumerMessage]) -> StreamMessage[Any]:
+    """The delivery as FastStream would have made it of the records in ``run`` only: its
+    decoder reads ``raw_message``, and a copy does not share the decoded cache."""
+    position = {id(record): i for i, record in enumerate(message.raw_message)}
+    picked = [position[id(m.raw)] for m in run]
+    narrowed = copy.copy(message)
+    narrowed.raw_message = tuple(message.raw_message[i] for i in picked)
+    narrowed.body = [message.body[i] for i in picked]
+    if message.batch_headers:
+        narrowed.batch_headers = [message.batch_headers[i] for i in picked]
+        narrowed.headers = narrowed.batch_headers[0] if picked else {}
+    return narrowed
+
+
+# --- settling ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Member:
+    record: Any  # aiokafka's ConsumerRecord
+    incoming: ConsumerMessage
+
+    @property
+    def partition(self) -> tuple[str, int]:
+        return (self.record.topic, self.record.partition)
+
+
+class SubscriberSide:
+    """What both settle-path transports of the middleware (per delivery, per batch) take from
+    the subscriber: its store, whether it is stopping (it then stops retrying publishes)."""
+
+    idem: Idempotency
+    subscriber: Any
+
+    @property
+    def store(self) -> PostgresStore:
+        return self.idem.store
+
+    def stopping(self) -> bool:
+        return not getattr(self.subscriber, "running", True)
+
+    def permanent(self, exc: BaseException) -> bool:
+        return self.idem.transport.permanent(exc)
+
+
+class _BatchSettler(SubscriberSide):
+    """The settle path's transport (``consumer_idem.transports.settle.Transport``) for the
+    members of one batch: an ack advances its partition's commit, a retry or a hand-back stops
+    its partition there (it is sought back after the wait)."""
+
+    def __init__(self, idem: Idempotency, subscriber: Any) -> None:
+        self.idem = idem
+        self.subscriber = subscriber
+        self.stats = idem.stats
+        self.transport = cast("_Kafka", idem.transport)  # members() checked it
+        self.done: dict[tuple[str, int], int] = {}  # partition -> next offset to commit
+        self.back: dict[tuple[str, int], int] = {}  # partition -> offset to deliver again from
+        self.wait = 0.0
+
+    async def ack(self, delivery: _Member) -> None:
+        self.done[delivery.partition] = delivery.record.offset + 1
+
+    async def retry_later(self, delivery: _Member, verdict: Verdict) -> None:
+        log.info("retrying in %.2fs (%s)", verdict.retry_after, verdict.reason)
+        self.wait = max(self.wait, verdict.retry_after)
+        await self.give_back(delivery)
+
+    async def give_back(self, delivery: _Member) -> None:
+        self.back.setdefault(delivery.partition, delivery.record.offset)
+
+    def dead_letter_destination(self, delivery: _Member) -> str:
+        return self.idem.dead_letter_destination(delivery.record.topic)
+
+    def body_size(self, delivery: _Member) -> int:
+        return len(delivery.incoming.body)
+
+    async def send_dead_letter(
+        self, delivery: _Member, verdict: Verdict, body_dropped: bool
+    ) -> None:
+        await self.transport.dead_letter_record(
+            delivery.record, verdict, self.dead_letter_destination(delivery), body_dropped
+        )
+
+    def notice_body(self, delivery: _Member, verdict: Verdict, with_original: bool) -> bytes:
+        if not with_original:
+            return reconcile_notice(verdict)
+        return reconcile_notice(verdict, delivery.incoming, delivery.record.topic)
+
+    async def send_notice(self, scope: str, key: str, body: bytes) -> None:
+        await self.transport.notice(scope, key, body)
+
+    async def send_redispatch(self, notice: Notice) -> None:
+        await self.transport.redispatch(notice)
+
+
+async def settle_batch(
+    idem: Idempotency,
+    subscriber: Any,
+    message: StreamMessage[Any],
+    run: Sequence[ConsumerMessage],
+    verdicts: Sequence[Verdict],
+) -> None:
+    """Settle each member in order; then commit every partition up to its first member not
+    settled, and seek each such partition back to it (after the longest wait asked for)."""
+    settler = _BatchSettler(idem, subscriber)
+    for i, incoming in enumerate(run):
+        member = _Member(incoming.raw, incoming)
+        if member.partition in settler.back:
+            continue  # after a member that waits: delivered again with it, in order
+        if i >= len(verdicts):  # the core stopped at a wait: the rest was not decided
+            await settler.give_back(member)
+            continue
+        await settle.settle(settler, member, verdicts[i])
+    transport = settler.transport
+    # each partition up to its first record not settled (acks come in order, and none after
+    # a stop): in the background, while the next batch is fetched
+    transport.commit_soon(message, settler.done)
+    if settler.back:
+        await settle.pause(settler.wait, settler.stopping)
+        transport.seek(message, settler.back)
+        message.committed = AckStatus.NACKED
+    else:
+        message.committed = AckStatus.ACKED

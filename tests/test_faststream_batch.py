@@ -1,0 +1,491 @@
+"""FastStream Kafka batch subscribers (``batch=True``) through the middleware, on the real
+broker and database: duplicates within and across batches, poison members, a failing member,
+an ambiguous one, the store's connections terminated mid-run, a rebalance between two
+consumers, and consumer processes SIGKILLed mid-batch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+from collections import Counter
+from typing import Annotated, Any
+
+import asyncpg
+import pytest
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from faststream import AckPolicy, Context
+from faststream.exceptions import RejectMessage
+from faststream.kafka import KafkaBroker, KafkaRouter, TestKafkaBroker
+
+from consumer_idem import Ambiguous, PostgresStore, Status, header
+from consumer_idem.cli.settings import Settings
+from consumer_idem.faststream import (
+    CurrentIdempotencyBatch,
+    Idempotency,
+    IdempotencyConfigError,
+    IdempotentConnection,
+)
+from consumer_idem.notice import decode_notice
+from consumer_idem.transports.kafka import to_message
+from tests._payments import read_topic, wait_until
+from tests.conftest import ROOT_DIR, unique
+
+KEY = header("idempotency-key")
+
+
+async def send(
+    producer: AIOKafkaProducer, topic: str, items: list[tuple[str | None, bytes]], partitions: int
+) -> None:
+    for i, (key, body) in enumerate(items):
+        headers = [] if key is None else [("idempotency-key", key.encode())]
+        await producer.send(topic, body, partition=i % partitions, headers=headers)
+    await producer.flush()
+
+
+def keyed(count: int, repeated: int = 0) -> list[tuple[str | None, bytes]]:
+    """``count`` keyed records, then the first ``repeated`` of them again."""
+    items: list[tuple[str | None, bytes]] = [
+        (f"k{i}", json.dumps({"n": i}).encode()) for i in range(count)
+    ]
+    return items + items[:repeated]
+
+
+async def effects_by_key(pool: asyncpg.Pool, scope: str) -> Counter[str]:
+    rows = await pool.fetch("SELECT key FROM fs_effects WHERE scope = $1", scope)
+    return Counter(r["key"] for r in rows)
+
+
+async def committed(admin: AIOKafkaAdminClient, group: str) -> dict[int, int]:
+    offsets = await admin.list_consumer_group_offsets(group)
+    return {tp.partition: meta.offset for tp, meta in offsets.items()}
+
+
+def batch_app(
+    broker: KafkaBroker,
+    idem: Idempotency,
+    topic: str,
+    group: str,
+    sizes: list[int],
+    failed: Counter[str],
+    max_records: int = 8,
+    slow: float = 0.0,
+) -> None:
+    """A batch subscriber writing one effect row per body on the transaction's connection."""
+    router = KafkaRouter(middlewares=[idem])
+
+    @router.subscriber(
+        topic,
+        group_id=group,
+        batch=True,
+        max_records=max_records,
+        ack_policy=AckPolicy.MANUAL,
+        auto_offset_reset="earliest",
+    )
+    async def handle(
+        bodies: list[dict[str, Any]], conn: IdempotentConnection, current: CurrentIdempotencyBatch
+    ) -> list[dict[str, Any]]:
+        assert len(bodies) == len(current.keys) == len(current.messages)
+        sizes.append(len(bodies))
+        results = []
+        for body, key in zip(bodies, current.keys, strict=True):
+            await conn.execute(
+                "INSERT INTO fs_effects (scope, key, n) VALUES ($1, $2, $3)",
+                current.scope,
+                key,
+                body["n"],
+            )
+            if body.get("reject"):
+                raise RejectMessage()
+            if body.get("ambiguous"):
+                raise Ambiguous("the far side timed out")
+            if body.get("fail_twice") and failed[key] < 2:
+                # the batch's attempt (rolled back, not counted), then its own: retried
+                failed[key] += 1
+                raise ConnectionError("first attempts fail")
+            results.append({"key": key, "n": body["n"]})
+        await asyncio.sleep(slow)  # a window for the faults to land mid-transaction
+        return results
+
+    broker.include_router(router)
+
+
+async def test_duplicates_poison_a_retry_and_an_unknown_in_batches_commit_each_partition(
+    settings: Settings,
+    store: PostgresStore,
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    effects: None,
+    kafka_topic_factory: Any,
+    kafka_admin: AIOKafkaAdminClient,
+    kafka_producer: AIOKafkaProducer,
+) -> None:
+    topic = await kafka_topic_factory("fsb", partitions=2)
+    notices = await kafka_topic_factory("fsbrec")
+    await kafka_admin.create_topics([NewTopic(f"{topic}.dlq", 1, 1)])
+    group = unique("fsbg")
+    items: list[tuple[str | None, bytes]] = [
+        (f"k{i}", json.dumps({"n": i, "fail_twice": i == 7}).encode()) for i in range(40)
+    ]
+    # duplicates right after their originals (same batch) and far from them (other batches)
+    items[5:5] = [items[3]]
+    items += items[:12]
+    items += [
+        (None, b'{"n": -1}'),  # no key
+        ("bad", b"not json"),
+        ("rej", b'{"n": -2, "reject": true}'),
+        ("amb", b'{"n": -3, "ambiguous": true}'),
+    ]
+    await send(kafka_producer, topic, items, 2)
+
+    broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
+    idem = Idempotency(
+        store,
+        broker=broker,
+        scope=scope,
+        key=KEY,
+        backoff=(0.05, 0.5),
+        reconcile_destination=notices,
+    )
+    sizes: list[int] = []
+    failed: Counter[str] = Counter()
+    batch_app(broker, idem, topic, group, sizes, failed)
+    await broker.start()
+    try:
+
+        async def all_settled() -> bool:
+            return idem.stats.processed >= len(items)
+
+        await wait_until(all_settled, 60, "every record to be settled")
+        await asyncio.sleep(0.5)  # a record handled twice would show now
+    finally:
+        await broker.stop()
+
+    # every key's effect once (the rejected and the ambiguous members' effects rolled back)
+    counts = await effects_by_key(pg_pool, scope)
+    assert counts == Counter({f"k{i}": 1 for i in range(40)}), counts
+    assert max(sizes) > 1, "the handler must get batches"
+    assert failed == {"k7": 2}
+    record = await store.get(scope, "k7")
+    assert record is not None and record.status is Status.COMPLETED and record.attempts == 2
+    record = await store.get(scope, "k12")
+    assert record is not None and record.result == {"body": {"key": "k12", "n": 12}}
+    amb = await store.get(scope, "amb")
+    assert amb is not None and amb.status is Status.UNKNOWN
+    assert amb.reconcile_published_at is not None
+    (notice,) = await read_topic(settings.kafka_bootstrap, notices, 1)
+    assert decode_notice(to_message(notice)).key == "amb"
+    dead = await read_topic(settings.kafka_bootstrap, f"{topic}.dlq", 3)
+    reasons = sorted(dict(r.headers)["x-dead-letter-reason"] for r in dead)
+    assert reasons == [b"invalid_json", b"invalid_key:missing_key", b"rejected"]
+    assert idem.stats.duplicates == 13
+    ends = Counter(i % 2 for i in range(len(items)))
+    assert await committed(kafka_admin, group) == dict(ends)
+    await kafka_admin.delete_topics([f"{topic}.dlq"])
+
+
+async def test_the_store_s_connections_terminated_mid_run_lose_and_double_nothing(
+    settings: Settings,
+    pg_dsn: str,
+    store: PostgresStore,
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    effects: None,
+    kafka_topic_factory: Any,
+    kafka_admin: AIOKafkaAdminClient,
+    kafka_producer: AIOKafkaProducer,
+) -> None:
+    topic = await kafka_topic_factory("fsbpg", partitions=2)
+    group = unique("fsbg")
+    items = keyed(600, 100)
+    await send(kafka_producer, topic, items, 2)
+    # the consumer's own pool: its connections are the ones terminated
+    app = unique("fsb-kill")
+    pool = await asyncpg.create_pool(
+        pg_dsn, min_size=2, max_size=8, server_settings={"application_name": app}
+    )
+    assert pool is not None
+    app_store = PostgresStore(pool)
+    broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
+    idem = Idempotency(app_store, broker=broker, scope=scope, key=KEY, backoff=(0.05, 0.3))
+    sizes: list[int] = []
+    batch_app(broker, idem, topic, group, sizes, Counter(), max_records=20, slow=0.02)
+    await broker.start()
+    kills = 0
+    try:
+        for _ in range(8):
+            await asyncio.sleep(0.25)
+            kills += await pg_pool.fetchval(
+                "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE application_name = $1) t",
+                app,
+            )
+
+        async def all_settled() -> bool:
+            return idem.stats.processed >= len(items)
+
+        await wait_until(all_settled, 90, "every record to be settled")
+        await asyncio.sleep(0.5)
+    finally:
+        await broker.stop()
+        await pool.close()
+    assert kills >= 4, f"the terminations must land mid-run ({kills})"
+    assert idem.stats.processed < len(items) + 50, "a terminated batch is redelivered, not more"
+    counts = await effects_by_key(pg_pool, scope)
+    assert counts == Counter({f"k{i}": 1 for i in range(600)})
+    ends = Counter(i % 2 for i in range(len(items)))
+    assert await committed(kafka_admin, group) == dict(ends)
+
+
+async def test_a_key_in_progress_elsewhere_holds_its_partition_back_from_that_record(
+    settings: Settings,
+    store: PostgresStore,
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    effects: None,
+    kafka_topic_factory: Any,
+    kafka_admin: AIOKafkaAdminClient,
+    kafka_producer: AIOKafkaProducer,
+) -> None:
+    topic = await kafka_topic_factory("fsbw", partitions=1)
+    group = unique("fsbg")
+    items = keyed(10)
+    broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
+    idem = Idempotency(store, broker=broker, scope=scope, key=KEY, backoff=(0.05, 0.2))
+    # k4 is another owner's, under a lease (a two-phase attempt elsewhere)
+    held = idem.batch_consumer.prepare(to_message_of("k4", items[4][1]))
+    assert not isinstance(held, Exception) and isinstance(held, tuple)
+    decision = await store.reserve(scope, "k4", held[1])
+    assert decision.token is not None
+    await send(kafka_producer, topic, items, 1)
+    sizes: list[int] = []
+    batch_app(broker, idem, topic, group, sizes, Counter())
+    await broker.start()
+    try:
+
+        async def waiting() -> bool:
+            return idem.stats.retries >= 2
+
+        await wait_until(waiting, 30, "the held key to be retried")
+        counts = await effects_by_key(pg_pool, scope)
+        # the records before it are done; none after it ran ahead of it (partition order)
+        assert counts == Counter({f"k{i}": 1 for i in range(4)}), counts
+        assert await committed(kafka_admin, group) == {0: 4}
+        await store.complete(scope, "k4", decision.token, {"by": "the other owner"})
+
+        async def all_settled() -> bool:
+            return idem.stats.processed >= len(items)
+
+        await wait_until(all_settled, 30, "every record to be settled")
+    finally:
+        await broker.stop()
+    counts = await effects_by_key(pg_pool, scope)
+    assert counts == Counter({f"k{i}": 1 for i in range(10) if i != 4}), counts
+    assert idem.stats.duplicates == 1  # k4: the other owner's result
+    assert await committed(kafka_admin, group) == {0: 10}
+
+
+def to_message_of(key: str, body: bytes) -> Any:
+    from consumer_idem import ConsumerMessage
+
+    return ConsumerMessage(body=body, headers={"idempotency-key": key.encode()})
+
+
+async def test_a_rebalance_between_two_consumers_loses_and_doubles_nothing(
+    settings: Settings,
+    store: PostgresStore,
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    effects: None,
+    kafka_topic_factory: Any,
+    kafka_admin: AIOKafkaAdminClient,
+    kafka_producer: AIOKafkaProducer,
+) -> None:
+    topic = await kafka_topic_factory("fsbr", partitions=4)
+    group = unique("fsbg")
+    items = keyed(2000, 200)
+    await send(kafka_producer, topic, items, 4)
+    apps: list[tuple[KafkaBroker, Idempotency]] = []
+    for _ in range(2):
+        broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
+        idem = Idempotency(store, broker=broker, scope=scope, key=KEY, backoff=(0.05, 0.3))
+        batch_app(broker, idem, topic, group, [], Counter(), max_records=20, slow=0.1)
+        apps.append((broker, idem))
+    first, second = apps
+    await first[0].start()
+    try:
+
+        async def started() -> bool:
+            return first[1].stats.processed >= 200
+
+        await wait_until(started, 30, "the first consumer to be under way")
+        await second[0].start()  # the group rebalances mid-run
+
+        async def shared() -> bool:
+            return second[1].stats.processed > 0
+
+        await wait_until(shared, 60, "the second consumer to take partitions")
+        await first[0].stop()  # and again: its partitions move to the second, mid-run
+        assert (await effects_by_key(pg_pool, scope)).total() < 2000, "must stop mid-run"
+
+        async def all_done() -> bool:
+            return (await effects_by_key(pg_pool, scope)).total() >= 2000 and (
+                await committed(kafka_admin, group)
+            ) == dict(Counter(i % 4 for i in range(len(items))))
+
+        await wait_until(all_done, 120, "every record to be done and committed")
+        await asyncio.sleep(0.5)
+    finally:
+        for broker, _ in apps:
+            await broker.stop()
+    counts = await effects_by_key(pg_pool, scope)
+    assert counts == Counter({f"k{i}": 1 for i in range(2000)})
+
+
+CHILDREN: list[asyncio.subprocess.Process] = []
+
+
+@pytest.fixture
+async def children() -> Any:
+    """Child processes a test started are killed when it ends, whatever happened."""
+    yield CHILDREN
+    for proc in CHILDREN:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    CHILDREN.clear()
+
+
+async def start_child(pg_dsn: str, *args: str) -> asyncio.subprocess.Process:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests._faststream_batch_child",
+        *args,
+        cwd=ROOT_DIR,
+        env=dict(os.environ, CONSUMER_IDEM_PG_DSN=pg_dsn),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=None,
+    )
+    CHILDREN.append(proc)
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(proc.stdout.readline(), timeout=60)
+    assert line and json.loads(line)["event"] == "started", line
+    return proc
+
+
+@pytest.mark.parametrize("step", ["handler", "committed", "kafka", "random"])
+async def test_a_process_sigkilled_mid_batch_loses_and_doubles_nothing(
+    step: str,
+    pg_dsn: str,
+    store: PostgresStore,  # migrated
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    effects: None,
+    kafka_topic_factory: Any,
+    kafka_admin: AIOKafkaAdminClient,
+    kafka_producer: AIOKafkaProducer,
+    children: list[asyncio.subprocess.Process],
+) -> None:
+    topic = await kafka_topic_factory("fsbk", partitions=2)
+    group = unique("fsbg")
+    items = keyed(400, 50)
+    await send(kafka_producer, topic, items, 2)
+    ends = dict(Counter(i % 2 for i in range(len(items))))
+    rng = random.Random(scope)
+    for kill_at in (2, 5):
+        if step == "random":  # wherever the kill lands, once some work is done
+            proc = await start_child(pg_dsn, topic, group, scope, "none", "0")
+            target = rng.randint(20, 150) * kill_at // 2
+
+            async def under_way(target: int = target) -> bool:
+                return (await effects_by_key(pg_pool, scope)).total() >= target
+
+            await wait_until(under_way, 30, "the child to be under way")
+            proc.send_signal(signal.SIGKILL)
+        else:
+            proc = await start_child(pg_dsn, topic, group, scope, step, str(kill_at))
+        await asyncio.wait_for(proc.wait(), timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+    done = (await effects_by_key(pg_pool, scope)).total()
+    assert 0 < done < 400, f"the kills must land mid-run ({done})"
+    final = await start_child(pg_dsn, topic, group, scope, "none", "0")
+    try:
+
+        async def all_done() -> bool:
+            return await committed(kafka_admin, group) == ends
+
+        await wait_until(all_done, 90, "every record to be committed")
+        await asyncio.sleep(0.5)
+    finally:
+        final.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(final.communicate(), timeout=60)
+    counts = await effects_by_key(pg_pool, scope)
+    assert counts == Counter({f"k{i}": 1 for i in range(400)})
+
+
+# --- what is refused, before anything runs (FastStream's in-memory broker) ---------------------
+
+
+async def test_a_batch_subscriber_with_a_publisher_is_refused(
+    store: PostgresStore, scope: str
+) -> None:
+    broker = KafkaBroker()
+    idem = Idempotency(store, broker=broker, scope=scope, key=KEY)
+    router = KafkaRouter(middlewares=[idem])
+
+    @router.subscriber("in", group_id="g", batch=True, ack_policy=AckPolicy.MANUAL)
+    @router.publisher("out")
+    async def handle(bodies: list[Any], conn: IdempotentConnection) -> Any:
+        raise AssertionError("must not run")
+
+    broker.include_router(router)
+    async with TestKafkaBroker(broker):
+        with pytest.raises(IdempotencyConfigError, match="publishers"):
+            await broker.publish_batch({"n": 1}, topic="in", headers={"idempotency-key": "k1"})
+    assert await store.get(scope, "k1") is None
+
+
+async def test_a_two_phase_batch_subscriber_is_refused(store: PostgresStore, scope: str) -> None:
+    broker = KafkaBroker()
+    idem = Idempotency(store, broker=broker, scope=scope, key=KEY, mode="two_phase")
+    router = KafkaRouter(middlewares=[idem])
+
+    @router.subscriber("in", group_id="g", batch=True, ack_policy=AckPolicy.MANUAL)
+    async def handle(bodies: list[Any]) -> Any:
+        raise AssertionError("must not run")
+
+    broker.include_router(router)
+    async with TestKafkaBroker(broker):
+        with pytest.raises(IdempotencyConfigError, match="transactional"):
+            await broker.publish_batch({"n": 1}, topic="in", headers={"idempotency-key": "k1"})
+    assert await store.get(scope, "k1") is None
+
+
+async def test_a_batch_handler_returning_the_wrong_number_of_results_dead_letters_with_why(
+    store: PostgresStore, scope: str, pg_pool: asyncpg.Pool, effects: None
+) -> None:
+    broker = KafkaBroker()
+    idem = Idempotency(store, broker=broker, scope=scope, key=KEY)
+    router = KafkaRouter(middlewares=[idem])
+    dead: list[dict[str, Any]] = []
+
+    @router.subscriber("in", group_id="g", batch=True, ack_policy=AckPolicy.MANUAL)
+    async def handle(bodies: list[Any], conn: IdempotentConnection) -> Any:
+        return {"one": "result"}  # not a list: the members cannot have their results
+
+    @broker.subscriber("in.dlq", group_id="d")  # on the broker: without the middleware
+    async def collect(body: Any, message: Annotated[Any, Context("message")]) -> None:
+        dead.append(message.headers)
+
+    broker.include_router(router)
+    async with TestKafkaBroker(broker):
+        await broker.publish_batch({"n": 1}, topic="in", headers={"idempotency-key": "k1"})
+    # the batch rolled back, then each member alone: dead-lettered, saying why
+    assert await store.get(scope, "k1") is None
+    assert [h["x-dead-letter-reason"] for h in dead] == ["batch_result"]
+    assert "one result per body" in dead[0]["x-dead-letter-error"]
