@@ -74,8 +74,10 @@ def batch_app(
     failed: Counter[str],
     max_records: int = 8,
     slow: float = 0.0,
+    announce: str | None = None,
 ) -> None:
-    """A batch subscriber writing one effect row per body on the transaction's connection."""
+    """A batch subscriber writing one effect row per body on the transaction's connection (and
+    publishing one message per body to ``announce`` through the member's outbox)."""
     router = KafkaRouter(middlewares=[idem])
 
     @router.subscriber(
@@ -92,7 +94,9 @@ def batch_app(
         assert len(bodies) == len(current.keys) == len(current.messages)
         sizes.append(len(bodies))
         results = []
-        for body, key in zip(bodies, current.keys, strict=True):
+        for i, (body, key) in enumerate(zip(bodies, current.keys, strict=True)):
+            if announce is not None:
+                current.outboxes[i].publish(announce, {"key": key})
             await conn.execute(
                 "INSERT INTO fs_effects (scope, key, n) VALUES ($1, $2, $3)",
                 current.scope,
@@ -126,6 +130,7 @@ async def test_duplicates_poison_a_retry_and_an_unknown_in_batches_commit_each_p
 ) -> None:
     topic = await kafka_topic_factory("fsb", partitions=2)
     notices = await kafka_topic_factory("fsbrec")
+    announced = await kafka_topic_factory("fsbout")
     await kafka_admin.create_topics([NewTopic(f"{topic}.dlq", 1, 1)])
     group = unique("fsbg")
     items: list[tuple[str | None, bytes]] = [
@@ -153,7 +158,7 @@ async def test_duplicates_poison_a_retry_and_an_unknown_in_batches_commit_each_p
     )
     sizes: list[int] = []
     failed: Counter[str] = Counter()
-    batch_app(broker, idem, topic, group, sizes, failed)
+    batch_app(broker, idem, topic, group, sizes, failed, announce=announced)
     await broker.start()
     try:
 
@@ -169,6 +174,9 @@ async def test_duplicates_poison_a_retry_and_an_unknown_in_batches_commit_each_p
     counts = await effects_by_key(pg_pool, scope)
     assert counts == Counter({f"k{i}": 1 for i in range(40)}), counts
     assert max(sizes) > 1, "the handler must get batches"
+    # each member's outbox message went out once, after its commit (none of a rolled-back try)
+    out = await read_topic(settings.kafka_bootstrap, announced, 41, within=4)
+    assert sorted(json.loads(r.value)["key"] for r in out) == sorted(f"k{i}" for i in range(40))
     assert failed == {"k7": 2}
     record = await store.get(scope, "k7")
     assert record is not None and record.status is Status.COMPLETED and record.attempts == 2
