@@ -16,13 +16,13 @@ from typing import Annotated, Any
 
 import asyncpg
 import pytest
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from faststream import AckPolicy, Context
 from faststream.exceptions import RejectMessage
 from faststream.kafka import KafkaBroker, KafkaRouter, TestKafkaBroker
 
-from consumer_idem import Ambiguous, PostgresStore, Status, header
+from consumer_idem import Ambiguous, PostgresStore, Status, StoreUnavailable, header
 from consumer_idem.cli.settings import Settings
 from consumer_idem.faststream import (
     CurrentIdempotencyBatch,
@@ -497,3 +497,67 @@ async def test_a_batch_handler_returning_the_wrong_number_of_results_dead_letter
     assert await store.get(scope, "k1") is None
     assert [h["x-dead-letter-reason"] for h in dead] == ["batch_result"]
     assert "one result per body" in dead[0]["x-dead-letter-error"]
+
+
+async def test_a_member_that_cannot_be_settled_stops_its_partition_s_commit_there(
+    settings: Settings,
+    store: PostgresStore,
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    effects: None,
+    kafka_topic_factory: Any,
+    kafka_admin: AIOKafkaAdminClient,
+    kafka_producer: AIOKafkaProducer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The members after one whose settling failed (here: keeping the original of its
+    ``unknown`` outcome, the store failing at that step) are decided and committed in Postgres,
+    but the partition's Kafka offset must not pass the failed one until it is settled."""
+    topic = await kafka_topic_factory("fsbs", partitions=1)
+    notices = await kafka_topic_factory("fsbsrec")
+    group = unique("fsbg")
+    items = keyed(4)
+    items[1] = ("amb", b'{"n": -3, "ambiguous": true}')
+    await send(kafka_producer, topic, items, 1)
+    kept: list[str] = []
+    keep = store.redispatch.keep_original
+
+    async def failing_once(scope: str, key: str, notice: Any) -> Any:
+        if not kept:
+            kept.append("refused")
+            raise StoreUnavailable("the store went away")
+        kept.append("kept")
+        return await keep(scope, key, notice)
+
+    monkeypatch.setattr(store.redispatch, "keep_original", failing_once)
+    commits: list[tuple[int, int]] = []  # (offset committed, originals kept by then)
+    commit = AIOKafkaConsumer.commit
+
+    async def spy(self: AIOKafkaConsumer, offsets: Any = None) -> None:
+        for offset in (offsets or {}).values():
+            commits.append((offset, kept.count("kept")))
+        await commit(self, offsets)
+
+    monkeypatch.setattr(AIOKafkaConsumer, "commit", spy)
+    broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
+    idem = Idempotency(
+        store,
+        broker=broker,
+        scope=scope,
+        key=KEY,
+        backoff=(0.05, 0.2),
+        reconcile_destination=notices,
+    )
+    batch_app(broker, idem, topic, group, [], Counter())
+    await broker.start()
+    try:
+
+        async def settled() -> bool:
+            return await committed(kafka_admin, group) == {0: 4}
+
+        await wait_until(settled, 30, "every record to be committed")
+    finally:
+        await broker.stop()
+    assert kept[:2] == ["refused", "kept"]
+    assert commits and all(offset <= 1 for offset, done in commits if done == 0), commits
+    assert await effects_by_key(pg_pool, scope) == Counter({"k0": 1, "k2": 1, "k3": 1})
