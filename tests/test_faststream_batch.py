@@ -21,10 +21,12 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from faststream import AckPolicy, Context
 from faststream.exceptions import RejectMessage
 from faststream.kafka import KafkaBroker, KafkaRouter, TestKafkaBroker
+from faststream.kafka.annotations import KafkaMessage
 
 from consumer_idem import Ambiguous, PostgresStore, Status, StoreUnavailable, header
 from consumer_idem.cli.settings import Settings
 from consumer_idem.faststream import (
+    CurrentIdempotency,
     CurrentIdempotencyBatch,
     Idempotency,
     IdempotencyConfigError,
@@ -53,6 +55,25 @@ def keyed(count: int, repeated: int = 0) -> list[tuple[str | None, bytes]]:
         (f"k{i}", json.dumps({"n": i}).encode()) for i in range(count)
     ]
     return items + items[:repeated]
+
+
+async def run_until_committed(
+    broker: KafkaBroker,
+    admin: AIOKafkaAdminClient,
+    group: str,
+    offsets: dict[int, int],
+    within: float,
+) -> None:
+    """Run the broker until the group's committed offsets are ``offsets``, then stop it."""
+    await broker.start()
+    try:
+
+        async def settled() -> bool:
+            return await committed(admin, group) == offsets
+
+        await wait_until(settled, within, f"the group to commit {offsets}")
+    finally:
+        await broker.stop()
 
 
 async def effects_by_key(pool: asyncpg.Pool, scope: str) -> Counter[str]:
@@ -549,15 +570,151 @@ async def test_a_member_that_cannot_be_settled_stops_its_partition_s_commit_ther
         reconcile_destination=notices,
     )
     batch_app(broker, idem, topic, group, [], Counter())
-    await broker.start()
-    try:
-
-        async def settled() -> bool:
-            return await committed(kafka_admin, group) == {0: 4}
-
-        await wait_until(settled, 30, "every record to be committed")
-    finally:
-        await broker.stop()
+    await run_until_committed(broker, kafka_admin, group, {0: 4}, 30)
     assert kept[:2] == ["refused", "kept"]
     assert commits and all(offset <= 1 for offset, done in commits if done == 0), commits
     assert await effects_by_key(pg_pool, scope) == Counter({"k0": 1, "k2": 1, "k3": 1})
+
+
+# --- deliveries FastStream cannot hand to the handler, and the handler's own acks -------------
+
+
+def plain_app(
+    broker: KafkaBroker,
+    idem: Idempotency,
+    topic: str,
+    group: str,
+    is_batch: bool,
+    **options: Any,
+) -> None:
+    """A subscriber (a batch one or not) writing one effect row per body."""
+    router = KafkaRouter(middlewares=[idem])
+    subscribe = router.subscriber(
+        topic,
+        group_id=group,
+        batch=is_batch,
+        ack_policy=AckPolicy.MANUAL,
+        auto_offset_reset="earliest",
+        **({"max_records": 5} if is_batch else {}),
+    )
+    register = subscribe(**options) if options else subscribe  # a handler's filter
+
+    async def write(conn: Any, scope: str, keys: list[str], bodies: list[Any]) -> None:
+        for key, body in zip(keys, bodies, strict=True):
+            await conn.execute(
+                "INSERT INTO fs_effects (scope, key, n) VALUES ($1, $2, $3)", scope, key, body["n"]
+            )
+
+    if is_batch:
+
+        @register
+        async def many(bodies: list[dict[str, Any]], current: CurrentIdempotencyBatch) -> None:
+            await write(current.conn, current.scope, current.keys, bodies)
+
+    else:
+
+        @register
+        async def one(body: dict[str, Any], current: CurrentIdempotency) -> None:
+            await write(current.conn, current.scope, [current.key], [body])
+
+    broker.include_router(router)
+
+
+@pytest.mark.parametrize("is_batch", [True, False], ids=["batch", "per-message"])
+@pytest.mark.parametrize("fault", ["header", "filter"])
+async def test_a_record_faststream_cannot_hand_over_is_dead_lettered_not_skipped(
+    is_batch: bool,
+    fault: str,
+    settings: Settings,
+    store: PostgresStore,
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    effects: None,
+    kafka_topic_factory: Any,
+    kafka_admin: AIOKafkaAdminClient,
+    kafka_producer: AIOKafkaProducer,
+) -> None:
+    """A header value that is not UTF-8 (FastStream's parser refuses the record, and with it its
+    whole batch), or a record no handler's filter accepts: FastStream skips it, and the next
+    commit would pass it. It is dead-lettered instead, and its batch-mates run."""
+    topic = await kafka_topic_factory("fsbu", partitions=1)
+    await kafka_admin.create_topics([NewTopic(f"{topic}.dlq", 1, 1)])
+    group = unique("fsbg")
+    for i, (key, body) in enumerate(keyed(10)):
+        assert key is not None
+        headers = [("idempotency-key", key.encode())]
+        if fault == "header" and i == 2:
+            headers.append(("trace-bin", b"\xff\xfe\x00\x01"))
+        await kafka_producer.send(topic, body, partition=0, headers=headers)
+    await kafka_producer.flush()
+    broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
+    idem = Idempotency(store, broker=broker, scope=scope, key=KEY, backoff=(0.05, 0.2))
+    options: dict[str, Any] = {}
+    if fault == "filter":  # the record (or the batch) holding n = 2 has no handler
+        options["filter"] = lambda msg: (
+            b'"n": 2}' not in (b"".join(msg.body) if is_batch else msg.body)
+        )
+    plain_app(broker, idem, topic, group, is_batch, **options)
+    await run_until_committed(broker, kafka_admin, group, {0: 10}, 30)
+    dead = await read_topic(settings.kafka_bootstrap, f"{topic}.dlq", 10, within=3)
+    reason = b"unparseable" if fault == "header" else b"no_handler"
+    refused = [2] if fault == "header" or not is_batch else [0, 1, 2, 3, 4]  # the whole batch
+    assert [json.loads(r.value)["n"] for r in dead] == refused
+    assert all(dict(r.headers)["x-dead-letter-reason"] == reason for r in dead)
+    expected = Counter({f"k{i}": 1 for i in range(10) if i not in refused})
+    assert await effects_by_key(pg_pool, scope) == expected
+    await kafka_admin.delete_topics([f"{topic}.dlq"])
+
+
+@pytest.mark.parametrize("is_batch", [True, False], ids=["batch", "per-message"])
+async def test_the_handler_s_own_ack_commits_nothing(
+    is_batch: bool,
+    settings: Settings,
+    store: PostgresStore,
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    effects: None,
+    kafka_topic_factory: Any,
+    kafka_admin: AIOKafkaAdminClient,
+    kafka_producer: AIOKafkaProducer,
+) -> None:
+    """A handler that calls ``await msg.ack()`` (a habit with manual acks) would commit every
+    partition's position before its transaction commits; the message it is given (the injected
+    one too) is the batch it runs, and its ack does nothing: the middleware settles."""
+    topic = await kafka_topic_factory("fsba", partitions=1)
+    group = unique("fsbg")
+    await send(kafka_producer, topic, keyed(10), 1)
+    broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
+    idem = Idempotency(
+        store, broker=broker, scope=scope, key=KEY, backoff=(0.05, 0.1), max_attempts=1000
+    )
+    router = KafkaRouter(middlewares=[idem])
+    subscribe = router.subscriber(
+        topic,
+        group_id=group,
+        batch=is_batch,
+        ack_policy=AckPolicy.MANUAL,
+        auto_offset_reset="earliest",
+    )
+    seen: list[int] = []
+
+    @subscribe
+    async def handle(body: Any, msg: KafkaMessage, current: CurrentIdempotencyBatch) -> None:
+        await msg.ack()
+        bodies = body if is_batch else [body]
+        assert len(msg.raw_message) == len(bodies) if is_batch else msg.raw_message.offset >= 0
+        seen.extend(b["n"] for b in bodies)
+        if any(b["n"] == 4 for b in bodies):
+            raise ConnectionError("k4's downstream is down")  # retried, never settled
+
+    broker.include_router(router)
+    await broker.start()
+    try:
+
+        async def stuck() -> bool:
+            return seen.count(4) >= 5
+
+        await wait_until(stuck, 30, "k4 to be retried")
+        assert await committed(kafka_admin, group) == {0: 4}
+    finally:
+        await broker.stop()

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import functools
 import logging
 import weakref
@@ -314,14 +315,12 @@ class _Kafka:
         record = message.raw_message
         # This partition only, up to this record: FastStream's own ack commits every
         # partition's position, which may be ahead of what is done.
-        await self.commit(message, {(record.topic, record.partition): record.offset + 1})
+        offsets = {(record.topic, record.partition): record.offset + 1}
+        await self.commit(getattr(message, "consumer", None), offsets)
         message.committed = AckStatus.ACKED
 
-    async def commit(
-        self, message: StreamMessage[Any], offsets: dict[tuple[str, int], int]
-    ) -> None:
+    async def commit(self, consumer: Any, offsets: dict[tuple[str, int], int]) -> None:
         """Commit ``{(topic, partition): next offset}`` through the delivery's consumer."""
-        consumer = getattr(message, "consumer", None)
         if isinstance(consumer, self._consumer_type):
             try:
                 await consumer.commit({self._tp(*tp): offset for tp, offset in offsets.items()})
@@ -332,12 +331,11 @@ class _Kafka:
         elif consumer is not None and offsets:  # FastStream's test consumer: nothing to commit
             await consumer.commit()
 
-    def commit_soon(self, message: StreamMessage[Any], offsets: dict[tuple[str, int], int]) -> None:
+    def commit_soon(self, consumer: Any, offsets: dict[tuple[str, int], int]) -> None:
         """Commit in the background, the latest offsets first come: the subscriber fetches and
         runs its next batch instead of waiting for the broker (a few ms per commit). A commit
         that lags, or is lost when the consumer stops, only widens what is delivered again,
         and the keys make those replays (as ``KafkaRunner``'s background commits)."""
-        consumer = getattr(message, "consumer", None)
         if consumer is None or not offsets:
             return
         uncommitted = self._uncommitted.setdefault(consumer, {})
@@ -345,17 +343,16 @@ class _Kafka:
             uncommitted[tp] = max(offset, uncommitted.get(tp, 0))
         running = self._committers.get(consumer)
         if running is None or running.done():
-            task = asyncio.create_task(self._commit_latest(message, consumer))
+            task = asyncio.create_task(self._commit_latest(consumer))
             task.add_done_callback(_log_failure)
             self._committers[consumer] = task
 
-    async def _commit_latest(self, message: StreamMessage[Any], consumer: Any) -> None:
+    async def _commit_latest(self, consumer: Any) -> None:
         while offsets := self._uncommitted.pop(consumer, None):
-            await self.commit(message, offsets)
+            await self.commit(consumer, offsets)
 
-    def seek(self, message: StreamMessage[Any], offsets: dict[tuple[str, int], int]) -> None:
+    def seek(self, consumer: Any, offsets: dict[tuple[str, int], int]) -> None:
         """Deliver each partition again from ``offsets[(topic, partition)]``."""
-        consumer = getattr(message, "consumer", None)
         if consumer is None:
             return
         for tp, offset in offsets.items():
@@ -697,8 +694,7 @@ class Idempotency:
             attempt=attempt,
             outbox=None if conn is None else outbox_for(conn),
         )
-        with call.context.scope(CONTEXT_NAME, ctx):
-            result = await _call(call.call_next, call.message)
+        result = await _call(call, ctx, guarded(call.message))
         return dict(_ACK_ONLY) if result is _ACKED else _store_form(result)
 
     async def _handle_batch(self, messages: Sequence[ConsumerMessage], conn: Any) -> list[Any]:
@@ -824,12 +820,23 @@ class _Settler(batch.SubscriberSide):
 _ACKED = object()
 
 
-async def _call(
-    call_next: Callable[[StreamMessage[Any]], Awaitable[Any]], message: StreamMessage[Any]
-) -> Any:
-    """FastStream's handler call, its own exceptions turned into the core's."""
+def guarded(message: StreamMessage[Any]) -> StreamMessage[Any]:
+    """The delivery as the handler sees it (its ``message`` too): a copy whose ``ack()``,
+    ``nack()`` and ``reject()`` do nothing. The middleware settles the delivery after the
+    commit; a handler's own ack would commit the Kafka offset (of every partition, for
+    FastStream) or ack the AMQP delivery before it, and a crash then would lose the message.
+    The copy also decodes its body afresh (its decoded cache is its own)."""
+    handed = copy.copy(message)
+    handed.committed = AckStatus.ACKED
+    return handed
+
+
+async def _call(call: _Call, current: Any, message: StreamMessage[Any]) -> Any:
+    """FastStream's handler call on ``message`` (injected as ``message`` as well), with
+    ``current`` as the idempotency context; its own exceptions turned into the core's."""
     try:
-        return await call_next(message)
+        with call.context.scopes(((CONTEXT_NAME, current), ("message", message))):
+            return await call.call_next(message)
     except AckMessage:  # "done, ack it": what was written so far commits, unpublished
         return _ACKED
     except NackMessage as exc:  # "deliver it again": roll back, retry with backoff
@@ -954,8 +961,10 @@ class _Middleware(BaseMiddleware):
         exc_tb: TracebackType | None = None,
     ) -> bool | None:
         message, verdict = self.message, self.verdict
-        if message is None or isinstance(exc_val, IdempotencyConfigError | asyncio.CancelledError):
+        if isinstance(exc_val, IdempotencyConfigError | asyncio.CancelledError):
             return False  # never ours to settle (or shutting down: it is delivered again)
+        if message is None:  # FastStream failed before the handler call: parse, routing
+            return exc_val is not None and await self._unrouted(exc_val)
         decided = verdict is not None if self.members is None else self.verdicts is not None
         if not decided or (exc_val is not None and not isinstance(exc_val, _Settled)):
             # Failed before a verdict, or the result could not be published after the commit:
@@ -969,13 +978,48 @@ class _Middleware(BaseMiddleware):
             return False
         if self.members is not None:
             assert self.verdicts is not None
-            await batch.settle_batch(
-                self.idem, self.subscriber, message, self.members, self.verdicts
+            consumer = getattr(message, "consumer", None)
+            done = await batch.settle_batch(
+                self.idem, self.subscriber, consumer, self.members, self.verdicts
             )
+            message.committed = AckStatus.ACKED if done else AckStatus.NACKED
         else:
             assert verdict is not None
             await settle.settle(self._settler(message), message, verdict)
         return exc_val is not None  # our own _Settled: swallowed
+
+    async def _unrouted(self, exc: BaseException) -> bool:
+        """A delivery FastStream could not parse or route (``consumer_idem.faststream.unrouted``):
+        dead-letter what cannot run, run the rest; anything else is handed back."""
+        from consumer_idem.faststream.unrouted import settle_unrouted
+
+        self.subscriber = self.context.get("handler_")
+        settler = _Settler(self.idem, self.subscriber)
+        try:
+            if await settle_unrouted(self.idem, self.context, self.msg, exc):
+                return True
+        except Exception as failure:
+            log.warning("could not settle a delivery FastStream refused: %r", failure)
+        if isinstance(self.msg, tuple | list) or hasattr(self.msg, "offset"):
+            self.idem.stats.retries += 1
+            log.warning("delivery not handed to the handler, will be delivered again: %r", exc)
+            await settle.pause(self.idem.consumer.backoff_base, settler.stopping)
+            self._seek_back(self.msg)
+        return False
+
+    def _seek_back(self, raw: Any) -> None:
+        """Deliver each partition of a Kafka delivery again from its first record."""
+        transport = self.idem.transport
+        assert isinstance(transport, _Kafka)
+        records = list(raw) if isinstance(raw, tuple | list) else [raw]
+        first: dict[tuple[str, int], int] = {}
+        for record in records:
+            tp = (record.topic, record.partition)
+            first[tp] = min(record.offset, first.get(tp, record.offset))
+        consumer = getattr(records[0], "consumer", None) or getattr(
+            self.subscriber, "consumer", None
+        )
+        transport.seek(consumer, first)
 
     def _settler(self, message: StreamMessage[Any]) -> _Settler:
         source = self.idem.transport.source(message, self.subscriber)

@@ -24,7 +24,6 @@ outbox (``current.outboxes[i]``), which commits with that member.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,7 +31,6 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import asyncpg
 from faststream import Context, StreamMessage
-from faststream.message import AckStatus
 
 from consumer_idem.consumer import Verdict, reconcile_notice
 from consumer_idem.errors import IdempotencyConfigError, PoisonMessage
@@ -92,7 +90,7 @@ async def handle(
 ) -> list[Any]:
     """The core's batch handler: FastStream's handler over ``messages`` (all of the delivery,
     or the part the core runs), one stored result per message."""
-    from consumer_idem.faststream import _ACKED, CONTEXT_NAME, _call, _store_form
+    from consumer_idem.faststream import _ACKED, _call, _store_form
 
     consumer = idem.batch_consumer
     keys = []
@@ -103,8 +101,7 @@ async def handle(
     current = IdempotencyBatchContext(
         idem.scope, keys, list(messages), conn, [outbox_for(conn, m) for m in messages]
     )
-    with call.context.scope(CONTEXT_NAME, current):
-        result = await _call(call.call_next, _narrowed(call.message, messages))
+    result = await _call(call, current, _narrowed(call.message, messages))
     if result is None or result is _ACKED:  # nothing to store: a batch publishes nothing
         return []
     if not isinstance(result, list | tuple) or len(result) != len(messages):
@@ -117,11 +114,13 @@ async def handle(
 
 
 def _narrowed(message: StreamMessage[Any], run: Sequence[ConsumerMessage]) -> StreamMessage[Any]:
-    """The delivery as FastStream would have made it of the records in ``run`` only: its
-    decoder reads ``raw_message``, and a copy does not share the decoded cache."""
+    """The delivery as FastStream would have made it of the records in ``run`` only (its
+    decoder reads ``raw_message``), guarded as the per-message handler's delivery is."""
+    from consumer_idem.faststream import guarded
+
     position = {id(record): i for i, record in enumerate(message.raw_message)}
     picked = [position[id(m.raw)] for m in run]
-    narrowed = copy.copy(message)
+    narrowed = guarded(message)
     narrowed.raw_message = tuple(message.raw_message[i] for i in picked)
     narrowed.body = [message.body[i] for i in picked]
     if message.batch_headers:
@@ -214,28 +213,29 @@ class _BatchSettler(SubscriberSide):
 async def settle_batch(
     idem: Idempotency,
     subscriber: Any,
-    message: StreamMessage[Any],
+    consumer: Any,
     run: Sequence[ConsumerMessage],
-    verdicts: Sequence[Verdict],
-) -> None:
-    """Settle each member in order; then commit every partition up to its first member not
-    settled, and seek each such partition back to it (after the longest wait asked for)."""
+    verdicts: Sequence[Verdict | None],
+) -> bool:
+    """Settle each member in order (``verdicts[i]`` for ``run[i]``; missing or None: not
+    decided); then commit every partition up to its first member not settled, and seek each
+    such partition back to it (after the longest wait asked for). True when all were settled."""
     settler = _BatchSettler(idem, subscriber)
     for i, incoming in enumerate(run):
         member = _Member(incoming.raw, incoming)
         if member.partition in settler.back:
             continue  # after a member that waits: delivered again with it, in order
-        if i >= len(verdicts):  # the core stopped at a wait: the rest was not decided
+        verdict = verdicts[i] if i < len(verdicts) else None
+        if verdict is None:  # the core stopped at a wait: the rest was not decided
             await settler.give_back(member)
             continue
-        await settle.settle(settler, member, verdicts[i])
+        await settle.settle(settler, member, verdict)
     transport = settler.transport
     # each partition up to its first record not settled (acks come in order, and none after
     # a stop): in the background, while the next batch is fetched
-    transport.commit_soon(message, settler.done)
+    transport.commit_soon(consumer, settler.done)
     if settler.back:
         await settle.pause(settler.wait, settler.stopping)
-        transport.seek(message, settler.back)
-        message.committed = AckStatus.NACKED
-    else:
-        message.committed = AckStatus.ACKED
+        transport.seek(consumer, settler.back)
+        return False
+    return True
