@@ -18,7 +18,7 @@ import asyncpg
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from faststream import AckPolicy, Context
+from faststream import AckPolicy, Context, ExceptionMiddleware
 from faststream.exceptions import RejectMessage
 from faststream.kafka import KafkaBroker, KafkaRouter, TestKafkaBroker
 from faststream.kafka.annotations import KafkaMessage
@@ -585,10 +585,13 @@ def plain_app(
     topic: str,
     group: str,
     is_batch: bool,
+    inner: Any = None,
+    parser: Any = None,
     **options: Any,
 ) -> None:
-    """A subscriber (a batch one or not) writing one effect row per body."""
-    router = KafkaRouter(middlewares=[idem])
+    """A subscriber (a batch one or not) writing one effect row per body; ``inner``: a
+    middleware inside the middleware; ``parser``: FastStream's custom parser."""
+    router = KafkaRouter(middlewares=[idem] if inner is None else [idem, inner])
     subscribe = router.subscriber(
         topic,
         group_id=group,
@@ -596,6 +599,7 @@ def plain_app(
         ack_policy=AckPolicy.MANUAL,
         auto_offset_reset="earliest",
         **({"max_records": 5} if is_batch else {}),
+        **({"parser": parser} if parser is not None else {}),
     )
     register = subscribe(**options) if options else subscribe  # a handler's filter
 
@@ -621,7 +625,7 @@ def plain_app(
 
 
 @pytest.mark.parametrize("is_batch", [True, False], ids=["batch", "per-message"])
-@pytest.mark.parametrize("fault", ["header", "filter"])
+@pytest.mark.parametrize("fault", ["header", "filter", "swallowed"])
 async def test_a_record_faststream_cannot_hand_over_is_dead_lettered_not_skipped(
     is_batch: bool,
     fault: str,
@@ -636,14 +640,15 @@ async def test_a_record_faststream_cannot_hand_over_is_dead_lettered_not_skipped
 ) -> None:
     """A header value that is not UTF-8 (FastStream's parser refuses the record, and with it its
     whole batch), or a record no handler's filter accepts: FastStream skips it, and the next
-    commit would pass it. It is dead-lettered instead, and its batch-mates run."""
+    commit would pass it. It is dead-lettered instead, and its batch-mates run; also when an
+    exception middleware inside this one swallowed FastStream's error."""
     topic = await kafka_topic_factory("fsbu", partitions=1)
     await kafka_admin.create_topics([NewTopic(f"{topic}.dlq", 1, 1)])
     group = unique("fsbg")
     for i, (key, body) in enumerate(keyed(10)):
         assert key is not None
         headers = [("idempotency-key", key.encode())]
-        if fault == "header" and i == 2:
+        if fault in ("header", "swallowed") and i == 2:
             headers.append(("trace-bin", b"\xff\xfe\x00\x01"))
         await kafka_producer.send(topic, body, partition=0, headers=headers)
     await kafka_producer.flush()
@@ -654,11 +659,14 @@ async def test_a_record_faststream_cannot_hand_over_is_dead_lettered_not_skipped
         options["filter"] = lambda msg: (
             b'"n": 2}' not in (b"".join(msg.body) if is_batch else msg.body)
         )
-    plain_app(broker, idem, topic, group, is_batch, **options)
+    inner = None
+    if fault == "swallowed":
+        inner = ExceptionMiddleware(handlers={Exception: lambda exc: None})
+    plain_app(broker, idem, topic, group, is_batch, inner, **options)
     await run_until_committed(broker, kafka_admin, group, {0: 10}, 30)
     dead = await read_topic(settings.kafka_bootstrap, f"{topic}.dlq", 10, within=3)
-    reason = b"unparseable" if fault == "header" else b"no_handler"
-    refused = [2] if fault == "header" or not is_batch else [0, 1, 2, 3, 4]  # the whole batch
+    reason = b"no_handler" if fault == "filter" else b"unparseable"
+    refused = [2] if fault != "filter" or not is_batch else [0, 1, 2, 3, 4]  # the whole batch
     assert [json.loads(r.value)["n"] for r in dead] == refused
     assert all(dict(r.headers)["x-dead-letter-reason"] == reason for r in dead)
     expected = Counter({f"k{i}": 1 for i in range(10) if i not in refused})
@@ -718,3 +726,37 @@ async def test_the_handler_s_own_ack_commits_nothing(
         assert await committed(kafka_admin, group) == {0: 4}
     finally:
         await broker.stop()
+
+
+@pytest.mark.parametrize("is_batch", [True, False], ids=["batch", "per-message"])
+async def test_a_parser_outage_is_waited_out_not_dead_lettered(
+    is_batch: bool,
+    settings: Settings,
+    store: PostgresStore,
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    effects: None,
+    kafka_topic_factory: Any,
+    kafka_admin: AIOKafkaAdminClient,
+    kafka_producer: AIOKafkaProducer,
+) -> None:
+    """A custom parser failing for a while (its schema registry out of reach) says nothing
+    about the records: they are delivered again until it parses them, and all run."""
+    topic = await kafka_topic_factory("fsbo", partitions=1)
+    group = unique("fsbg")
+    await send(kafka_producer, topic, keyed(6), 1)
+    failures: list[str] = []
+
+    async def parser(msg: Any, original: Any) -> Any:
+        if len(failures) < 4:
+            failures.append("down")
+            raise ConnectionError("schema registry unreachable")
+        return await original(msg)
+
+    broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
+    idem = Idempotency(store, broker=broker, scope=scope, key=KEY, backoff=(0.05, 0.2))
+    plain_app(broker, idem, topic, group, is_batch, parser=parser)
+    await run_until_committed(broker, kafka_admin, group, {0: 6}, 30)
+    assert len(failures) == 4
+    assert idem.stats.dead_lettered == 0
+    assert await effects_by_key(pg_pool, scope) == Counter({f"k{i}": 1 for i in range(6)})

@@ -963,8 +963,12 @@ class _Middleware(BaseMiddleware):
         message, verdict = self.message, self.verdict
         if isinstance(exc_val, IdempotencyConfigError | asyncio.CancelledError):
             return False  # never ours to settle (or shutting down: it is delivered again)
-        if message is None:  # FastStream failed before the handler call: parse, routing
-            return exc_val is not None and await self._unrouted(exc_val)
+        if message is None:
+            if self.context.get("message") is not None:
+                return False  # routed, but a middleware outside this one did not call it
+            # FastStream failed to parse or route it (its error may have been swallowed by
+            # an exception middleware inside this one)
+            return await self._unrouted(exc_val)
         decided = verdict is not None if self.members is None else self.verdicts is not None
         if not decided or (exc_val is not None and not isinstance(exc_val, _Settled)):
             # Failed before a verdict, or the result could not be published after the commit:
@@ -988,7 +992,7 @@ class _Middleware(BaseMiddleware):
             await settle.settle(self._settler(message), message, verdict)
         return exc_val is not None  # our own _Settled: swallowed
 
-    async def _unrouted(self, exc: BaseException) -> bool:
+    async def _unrouted(self, exc: BaseException | None) -> bool:
         """A delivery FastStream could not parse or route (``consumer_idem.faststream.unrouted``):
         dead-letter what cannot run, run the rest; anything else is handed back."""
         from consumer_idem.faststream.unrouted import settle_unrouted
@@ -996,8 +1000,8 @@ class _Middleware(BaseMiddleware):
         self.subscriber = self.context.get("handler_")
         settler = _Settler(self.idem, self.subscriber)
         try:
-            if await settle_unrouted(self.idem, self.context, self.msg, exc):
-                return True
+            if await settle_unrouted(self.idem, self.context, self.msg):
+                return exc is not None  # FastStream's error: handled
         except Exception as failure:
             log.warning("could not settle a delivery FastStream refused: %r", failure)
         if isinstance(self.msg, tuple | list) or hasattr(self.msg, "offset"):

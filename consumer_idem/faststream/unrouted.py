@@ -7,11 +7,16 @@ with the next delivery, whose commit would then pass the one that never ran: a l
 the middleware settles these itself:
 
 * a delivery no handler accepts is dead-lettered whole (reason ``no_handler``);
-* a record the parser refuses, parsed on its own, is dead-lettered (reason ``unparseable``,
-  with the parser's error); the other records of its batch run without it, through the
-  middleware (other middlewares' handler wrappers are not applied to that run);
-* a delivery whose every record parses on its own failed for another reason: it is handed
-  back, as any failure before a verdict.
+* a record the parser refuses for bad data (a ``ValueError``, ``TypeError`` or
+  ``LookupError``: a ``UnicodeDecodeError`` is one), parsed on its own, is dead-lettered
+  (reason ``unparseable``, with the parser's error); the other records of its batch run without
+  it, through the middleware (other middlewares' handler wrappers are not applied to that run);
+* a delivery that routes when tried again, or whose parser or filter fails with any other
+  error (a schema registry out of reach: an outage, not bad data), is handed back, as any
+  failure before a verdict.
+
+The delivery is routed again whatever FastStream's error was: an exception middleware inside
+this one may have swallowed it.
 
 On RabbitMQ such a delivery stays unacked (a manual-ack subscriber never acks it), so it is not
 lost; it is left to FastStream.
@@ -20,6 +25,7 @@ lost; it is left to FastStream.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 from consumer_idem.consumer import Action, Verdict
@@ -28,12 +34,23 @@ from consumer_idem.faststream import batch
 if TYPE_CHECKING:
     from consumer_idem.faststream import Idempotency
 
+log = logging.getLogger("consumer_idem.faststream")
 
-async def settle_unrouted(idem: Idempotency, context: Any, raw: Any, exc: BaseException) -> bool:
-    """Settle a Kafka delivery (a record, or a batch's records) that FastStream failed to hand
-    to a handler with ``exc``; False when it is not one to settle here (handed back)."""
-    from faststream.exceptions import SubscriberNotFound
 
+#: a parser's or filter's errors that say the record is bad (the same on every attempt); any
+#: other error (a schema registry unreachable, a timeout) is an outage: the delivery waits
+DATA_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, LookupError)
+
+
+class _Outage(Exception):
+    """Parsing or routing failed with an error that is not the records' (see DATA_ERRORS)."""
+
+
+async def settle_unrouted(idem: Idempotency, context: Any, raw: Any) -> bool:
+    """Settle a Kafka delivery (a record, or a batch's records) that never reached the
+    middleware's handler call; False when it is not one to settle here (it is handed back).
+    Whatever FastStream's error was (an exception middleware inside this one may have
+    swallowed it), the delivery is routed again to find out."""
     from consumer_idem.faststream import _Kafka
     from consumer_idem.transports.kafka import to_message
 
@@ -47,27 +64,60 @@ async def settle_unrouted(idem: Idempotency, context: Any, raw: Any, exc: BaseEx
         or not all(hasattr(record, "offset") for record in records)
     ):
         return False
-    refused: dict[int, Verdict] = {}
-    if isinstance(exc, SubscriberNotFound):
-        for record in records:
-            refused[id(record)] = _dead(idem, "no_handler", "no handler's filter accepts it")
-    else:
-        for record in records:
-            why = await _parse_error(subscriber, (record,) if is_batch else record)
-            if why is not None:
-                refused[id(record)] = _dead(idem, "unparseable", why)
+    try:
+        refused = await _refused(idem, subscriber, raw, records, is_batch)
         if not refused:
-            return False  # each parses alone: not the records' fault
-    members = [to_message(record) for record in records]
-    decided: dict[int, Verdict | None] = dict(refused)
-    rest = tuple(r for r in records if id(r) not in refused)
-    if rest:
-        decided.update(await _run_rest(idem, context, subscriber, rest))
+            return False  # it routes now: the failure was not the records'
+        decided: dict[int, Verdict | None] = dict(refused)
+        rest = tuple(r for r in records if id(r) not in refused)
+        if rest:
+            decided.update(await _run_rest(idem, context, subscriber, rest))
+    except _Outage as exc:
+        log.warning("delivery not handed to the handler (%s): it is delivered again", exc)
+        return False
     consumer = getattr(records[0], "consumer", None) or getattr(subscriber, "consumer", None)
+    members = [to_message(record) for record in records]
     await batch.settle_batch(
         idem, subscriber, consumer, members, [decided.get(id(r)) for r in records]
     )
     return True
+
+
+async def _refused(
+    idem: Idempotency, subscriber: Any, raw: Any, records: list[Any], is_batch: bool
+) -> dict[int, Verdict]:
+    """The records that cannot run, with their dead-letter verdicts: none when the delivery
+    routes; all (``no_handler``) when it parses and no filter accepts it; those refused on
+    their own (``unparseable``) when the parser refuses it for bad data."""
+    try:
+        if await _route(subscriber, raw) is not None:
+            return {}
+    except DATA_ERRORS:
+        pass
+    else:
+        return {id(r): _dead(idem, "no_handler", "no handler's filter accepts it") for r in records}
+    refused: dict[int, Verdict] = {}
+    for record in records:
+        try:
+            await _route(subscriber, (record,) if is_batch else record)
+        except DATA_ERRORS as exc:
+            refused[id(record)] = _dead(idem, "unparseable", f"{type(exc).__name__}: {exc}")
+    return refused
+
+
+async def _route(subscriber: Any, raw: Any) -> tuple[Any, Any] | None:
+    """The first handler accepting ``raw`` and the message it parsed, or None; raises the
+    parser's or filter's data error, or :class:`_Outage` for any other."""
+    for call in subscriber.calls:
+        try:
+            parsed = await call.is_suitable(raw, {})
+        except DATA_ERRORS:
+            raise
+        except Exception as exc:
+            raise _Outage(f"{type(exc).__name__}: {exc}") from exc
+        if parsed is not None:
+            return call, parsed
+    return None
 
 
 def _dead(idem: Idempotency, reason: str, why: str) -> Verdict:
@@ -92,13 +142,15 @@ async def _run_rest(
     every record of the delivery in offset order)."""
     from consumer_idem.faststream import _Middleware, _Settled
 
-    for call in subscriber.calls:
-        parsed = await call.is_suitable(rest, {})
-        if parsed is None:
-            continue
-        middleware = _Middleware(rest, context=context, idem=idem)
-        with contextlib.suppress(_Settled):  # raised by the middleware once it has verdicts
-            await call.call(message=parsed, _extra_middlewares=[middleware.consume_scope])
-        verdicts = middleware.verdicts or []
-        return {id(r): verdicts[i] if i < len(verdicts) else None for i, r in enumerate(rest)}
-    return {id(r): _dead(idem, "no_handler", "no handler's filter accepts it") for r in rest}
+    try:
+        found = await _route(subscriber, rest)
+    except DATA_ERRORS as exc:  # refused together, though not one by one: wait, do not guess
+        raise _Outage(f"{type(exc).__name__}: {exc}") from exc
+    if found is None:
+        return {id(r): _dead(idem, "no_handler", "no handler's filter accepts it") for r in rest}
+    call, parsed = found
+    middleware = _Middleware(rest, context=context, idem=idem)
+    with contextlib.suppress(_Settled):  # raised by the middleware once it has verdicts
+        await call.call(message=parsed, _extra_middlewares=[middleware.consume_scope])
+    verdicts = middleware.verdicts or []
+    return {id(r): verdicts[i] if i < len(verdicts) else None for i, r in enumerate(rest)}
