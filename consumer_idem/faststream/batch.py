@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 import asyncpg
 from faststream import Context, StreamMessage
 
-from consumer_idem.consumer import Verdict, reconcile_notice
+from consumer_idem.consumer import Verdict, reconcile_notice, settled_by_commit
 from consumer_idem.errors import IdempotencyConfigError, PoisonMessage
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import Notice
@@ -228,8 +228,12 @@ async def settle_batch(
         verdict = verdicts[i] if i < len(verdicts) else None
         if verdict is None:  # the core stopped at a wait: the rest was not decided
             await settler.give_back(member)
-            continue
-        await settle.settle(settler, member, verdict)
+        elif settled_by_commit(verdict):  # the commit settled it: ack, as the settle path would
+            settle.count_ack(settler.stats, verdict)
+            settler.stats.processed += 1
+            await settler.ack(member)
+        else:
+            await settle.settle(settler, member, verdict)
     transport = settler.transport
     # each partition up to its first record not settled (acks come in order, and none after
     # a stop): in the background, while the next batch is fetched

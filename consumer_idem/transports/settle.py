@@ -435,6 +435,14 @@ async def redispatch(transport: Transport[Any], notice: Notice) -> bool:
         )
 
 
+def count_ack(stats: RunnerStats, verdict: Verdict) -> None:
+    """Count an ack that has nothing to publish first: a run, or a duplicate answered."""
+    if verdict.duplicate:
+        stats.duplicates += 1
+    else:
+        stats.executed += 1
+
+
 @tracing.traced_settle
 async def settle(transport: Transport[D], delivery: D, verdict: Verdict) -> Settled:
     """Carry out ``verdict`` for ``delivery``: keep the original of an ``unknown`` outcome,
@@ -462,10 +470,7 @@ async def settle(transport: Transport[D], delivery: D, verdict: Verdict) -> Sett
         )
     else:
         sent = True
-        if verdict.duplicate:
-            stats.duplicates += 1
-        else:
-            stats.executed += 1
+        count_ack(stats, verdict)
     if not sent:
         await transport.give_back(delivery)
         return Settled.UNSETTLED
