@@ -194,32 +194,42 @@ async def _measure(broker: Any, router: Any, clock: Clock, idem: Any, count: int
     return clock.rate()
 
 
+def _faststream(store: PostgresStore, idempotent: bool) -> tuple[Any, Any, Any]:
+    """A KafkaBroker and a router for one run, the router behind the middleware (returned
+    too, for its stats) when ``idempotent``."""
+    from faststream.kafka import KafkaBroker, KafkaRouter
+
+    from consumer_idem.faststream import Idempotency
+
+    broker = KafkaBroker(
+        load_settings().kafka_bootstrap, acks="all", enable_idempotence=True, logger=None
+    )
+    if not idempotent:
+        return broker, KafkaRouter(), None
+    idem = Idempotency(
+        store, broker=broker, scope=f"fs-{uuid.uuid4().hex[:6]}", key=header("idempotency-key")
+    )
+    return broker, KafkaRouter(middlewares=[idem]), idem
+
+
 async def faststream_kafka(
     pool: asyncpg.Pool, store: PostgresStore, topic: str, idempotent: bool, count: int
 ) -> float:
     """One FastStream subscriber (``AckPolicy.MANUAL``), with or without the middleware: the
     effect in a transaction, then the ack (a commit of the partition's offset, per message)."""
     from faststream import AckPolicy
-    from faststream.kafka import KafkaBroker, KafkaMessage, KafkaRouter
+    from faststream.kafka import KafkaMessage
 
-    from consumer_idem.faststream import CurrentIdempotency, Idempotency
+    from consumer_idem.faststream import CurrentIdempotency
 
-    broker = KafkaBroker(
-        load_settings().kafka_bootstrap, acks="all", enable_idempotence=True, logger=None
-    )
+    broker, router, idem = _faststream(store, idempotent)
     clock = Clock()
-    group = f"fs-{uuid.uuid4().hex}"
     options: dict[str, Any] = {
-        "group_id": group,
+        "group_id": f"fs-{uuid.uuid4().hex}",
         "ack_policy": AckPolicy.MANUAL,
         "auto_offset_reset": "earliest",
     }
-    idem: Idempotency | None = None
-    if idempotent:
-        idem = Idempotency(
-            store, broker=broker, scope=f"fs-{uuid.uuid4().hex[:6]}", key=header("idempotency-key")
-        )
-        router = KafkaRouter(middlewares=[idem])
+    if idem is not None:
 
         @router.subscriber(topic, **options)
         async def idempotent_handler(body: dict[str, Any], current: CurrentIdempotency) -> None:
@@ -227,7 +237,6 @@ async def faststream_kafka(
             await record_payment(current.message, current.conn)
 
     else:
-        router = KafkaRouter()
 
         @router.subscriber(topic, **options)
         async def plain_handler(body: dict[str, Any], message: KafkaMessage) -> None:
@@ -246,13 +255,11 @@ async def faststream_kafka_batch(
     a batch), with or without the middleware: the set-based effect for the batch in
     one transaction, then the commit of the offsets; over the whole topic."""
     from faststream import AckPolicy
-    from faststream.kafka import KafkaBroker, KafkaMessage, KafkaRouter
+    from faststream.kafka import KafkaMessage
 
-    from consumer_idem.faststream import CurrentIdempotencyBatch, Idempotency
+    from consumer_idem.faststream import CurrentIdempotencyBatch
 
-    broker = KafkaBroker(
-        load_settings().kafka_bootstrap, acks="all", enable_idempotence=True, logger=None
-    )
+    broker, router, idem = _faststream(store, idempotent)
     clock = Clock()
     options: dict[str, Any] = {
         "group_id": f"fsb-{uuid.uuid4().hex}",
@@ -261,12 +268,7 @@ async def faststream_kafka_batch(
         "ack_policy": AckPolicy.MANUAL,
         "auto_offset_reset": "earliest",
     }
-    idem: Idempotency | None = None
-    if idempotent:
-        idem = Idempotency(
-            store, broker=broker, scope=f"fsb-{uuid.uuid4().hex[:6]}", key=header("idempotency-key")
-        )
-        router = KafkaRouter(middlewares=[idem])
+    if idem is not None:
 
         @router.subscriber(topic, **options)
         async def idempotent_handler(
@@ -275,7 +277,6 @@ async def faststream_kafka_batch(
             await record_payments(current.messages, current.conn)
 
     else:
-        router = KafkaRouter()
 
         @router.subscriber(topic, **options)
         async def plain_handler(bodies: list[dict[str, Any]], message: KafkaMessage) -> None:

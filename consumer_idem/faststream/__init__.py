@@ -995,35 +995,22 @@ class _Middleware(BaseMiddleware):
     async def _unrouted(self, exc: BaseException | None) -> bool:
         """A delivery FastStream could not parse or route (``consumer_idem.faststream.unrouted``):
         dead-letter what cannot run, run the rest; anything else is handed back."""
-        from consumer_idem.faststream.unrouted import settle_unrouted
+        from consumer_idem.faststream import unrouted
 
         self.subscriber = self.context.get("handler_")
-        settler = _Settler(self.idem, self.subscriber)
         try:
-            if await settle_unrouted(self.idem, self.context, self.msg):
+            if await unrouted.settle_unrouted(self.idem, self.context, self.msg):
                 return exc is not None  # FastStream's error: handled
         except Exception as failure:
             log.warning("could not settle a delivery FastStream refused: %r", failure)
-        if isinstance(self.msg, tuple | list) or hasattr(self.msg, "offset"):
+        records = unrouted.kafka_records(self.idem, self.msg)
+        if records:
             self.idem.stats.retries += 1
             log.warning("delivery not handed to the handler, will be delivered again: %r", exc)
-            await settle.pause(self.idem.consumer.backoff_base, settler.stopping)
-            self._seek_back(self.msg)
+            stopping = _Settler(self.idem, self.subscriber).stopping
+            await settle.pause(self.idem.consumer.backoff_base, stopping)
+            unrouted.seek_back(self.idem, self.subscriber, records)
         return False
-
-    def _seek_back(self, raw: Any) -> None:
-        """Deliver each partition of a Kafka delivery again from its first record."""
-        transport = self.idem.transport
-        assert isinstance(transport, _Kafka)
-        records = list(raw) if isinstance(raw, tuple | list) else [raw]
-        first: dict[tuple[str, int], int] = {}
-        for record in records:
-            tp = (record.topic, record.partition)
-            first[tp] = min(record.offset, first.get(tp, record.offset))
-        consumer = getattr(records[0], "consumer", None) or getattr(
-            self.subscriber, "consumer", None
-        )
-        transport.seek(consumer, first)
 
     def _settler(self, message: StreamMessage[Any]) -> _Settler:
         source = self.idem.transport.source(message, self.subscriber)

@@ -51,19 +51,13 @@ async def settle_unrouted(idem: Idempotency, context: Any, raw: Any) -> bool:
     middleware's handler call; False when it is not one to settle here (it is handed back).
     Whatever FastStream's error was (an exception middleware inside this one may have
     swallowed it), the delivery is routed again to find out."""
-    from consumer_idem.faststream import _Kafka
     from consumer_idem.transports.kafka import to_message
 
     subscriber = context.get("handler_")
-    is_batch = isinstance(raw, tuple | list)
-    records = list(raw) if is_batch else [raw]
-    if (
-        not isinstance(idem.transport, _Kafka)
-        or subscriber is None
-        or not records
-        or not all(hasattr(record, "offset") for record in records)
-    ):
+    records = kafka_records(idem, raw)
+    if subscriber is None or not records:
         return False
+    is_batch = isinstance(raw, tuple | list)
     try:
         refused = await _refused(idem, subscriber, raw, records, is_batch)
         if not refused:
@@ -75,12 +69,43 @@ async def settle_unrouted(idem: Idempotency, context: Any, raw: Any) -> bool:
     except _Outage as exc:
         log.warning("delivery not handed to the handler (%s): it is delivered again", exc)
         return False
-    consumer = getattr(records[0], "consumer", None) or getattr(subscriber, "consumer", None)
     members = [to_message(record) for record in records]
     await batch.settle_batch(
-        idem, subscriber, consumer, members, [decided.get(id(r)) for r in records]
+        idem,
+        subscriber,
+        _consumer_of(records, subscriber),
+        members,
+        [decided.get(id(r)) for r in records],
     )
     return True
+
+
+def kafka_records(idem: Idempotency, raw: Any) -> list[Any]:
+    """The records of a Kafka delivery (one, or a batch's); empty for anything else."""
+    from consumer_idem.faststream import _Kafka
+
+    records = list(raw) if isinstance(raw, tuple | list) else [raw]
+    if not isinstance(idem.transport, _Kafka) or not all(hasattr(r, "offset") for r in records):
+        return []
+    return records
+
+
+def seek_back(idem: Idempotency, subscriber: Any, records: list[Any]) -> None:
+    """Deliver each partition of a Kafka delivery again from its first record."""
+    from consumer_idem.faststream import _Kafka
+
+    assert isinstance(idem.transport, _Kafka)
+    first: dict[tuple[str, int], int] = {}
+    for record in records:
+        tp = (record.topic, record.partition)
+        first[tp] = min(record.offset, first.get(tp, record.offset))
+    idem.transport.seek(_consumer_of(records, subscriber), first)
+
+
+def _consumer_of(records: list[Any], subscriber: Any) -> Any:
+    """The consumer that fetched ``records``: FastStream's concurrent subscriber has one per
+    worker and sets it on each record; the others have one."""
+    return getattr(records[0], "consumer", None) or getattr(subscriber, "consumer", None)
 
 
 async def _refused(
