@@ -9,6 +9,7 @@ or publish a reconciliation notice and then ack). The transports
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
@@ -17,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Literal, Protocol, Unpack, overload
+from typing import Any, Literal, Protocol, TypeVar, Unpack, overload
 
 import asyncpg
 
@@ -262,7 +263,7 @@ class IdempotentConsumer:
             raw_key = self.key(message)
             if raw_key is None:
                 raise InvalidKey("missing_key", f"no idempotency key found ({describe(self.key)})")
-            _, key = self.store.check(self.scope, raw_key)
+            key = self.store.check_key(raw_key)  # the scope was checked at decoration
         except InvalidKey as exc:
             self.metrics.inc("invalid_key", self.scope)
             if self.on_invalid_key == "raise":
@@ -459,7 +460,11 @@ class IdempotentConsumer:
     # --- many messages -------------------------------------------------------------------------
 
     async def process_batch(
-        self, messages: Sequence[ConsumerMessage], hook: CommitHook | None = None
+        self,
+        messages: Sequence[ConsumerMessage],
+        hook: CommitHook | None = None,
+        *,
+        alongside: Callable[[], Awaitable[object]] | None = None,
     ) -> list[Verdict]:
         """Verdicts for a run of messages from one ordered stream (a Kafka partition), in order.
 
@@ -467,12 +472,15 @@ class IdempotentConsumer:
         In batch mode the whole run is claimed, handled and completed in one transaction; if any
         part of that fails, it falls back to one message per transaction. ``hook``: the
         runner's progress, committed with the transactions (see :class:`CommitHook`).
+        ``alongside``: the transport's own preparation of the batch for its handler, run
+        while the batch's claim is in flight in Postgres (its failure is ignored: it must be
+        work the handler's call would otherwise do itself).
         """
         await backpressure(self.store, self.scope)  # the outbox dispatch is not far behind
         if not self.batch:
             return await self._one_by_one(messages, hook)
         try:
-            return await self._as_one_transaction(messages, hook)
+            return await self._as_one_transaction(messages, hook, alongside)
         except StoreUnavailable as exc:
             return [self._store_down(exc, None)]
         except Exception as exc:  # a member failed: find it by running them one by one
@@ -535,7 +543,10 @@ class IdempotentConsumer:
 
     @tracing.traced_batch
     async def _as_one_transaction(
-        self, messages: Sequence[ConsumerMessage], hook: CommitHook | None = None
+        self,
+        messages: Sequence[ConsumerMessage],
+        hook: CommitHook | None = None,
+        alongside: Callable[[], Awaitable[object]] | None = None,
     ) -> list[Verdict]:
         n = len(messages)
         verdicts: list[Verdict | None] = [None] * n
@@ -565,7 +576,7 @@ class IdempotentConsumer:
                 # sorted: concurrent batches (RabbitMQ's prefetch window holds several) take
                 # the unique-index locks of shared keys in one order, so they never deadlock
                 keys = sorted(first_seen)
-                claimed = await self.store.fast_path.claim_many(
+                claim = self.store.fast_path.claim_many(
                     conn,
                     self.scope,
                     keys,
@@ -573,6 +584,7 @@ class IdempotentConsumer:
                     self.retention,
                     restart=begin,
                 )
+                claimed = await (claim if alongside is None else _overlapped(claim, alongside))
                 for key, (i, fingerprint) in first_seen.items():
                     if key in claimed:
                         run.append(i)
@@ -709,12 +721,13 @@ class IdempotentConsumer:
         """Batch mode, inside the open transaction: the handler over the claimed members, their
         results, then a checked COMMIT (with the messages they published: each member is its
         own unit, ``outbox_for(conn, message)``). Rolls back and raises on any failure."""
-        units = open_batch(conn, self.scope, [(messages[i], key_at[i]) for i in run])
+        members = [messages[i] for i in run]
+        units = open_batch(conn, self.scope, members, [key_at[i] for i in run])
         try:
             if not run:  # every member was decided by its record: nothing to hand the handler
                 await (execute_and_commit(conn, rider) if rider else commit(conn))
                 return []
-            results = list(await self.handler([messages[i] for i in run], conn) or [])
+            results = list(await self.handler(members, conn) or [])
             if not conn.is_closed() and not conn.is_in_transaction():
                 raise _EndedByHandler  # COMMIT or ROLLBACK sent by the handler itself
             if results and len(results) != len(run):
@@ -750,6 +763,27 @@ class IdempotentConsumer:
 
     async def __call__(self, message: ConsumerMessage) -> Verdict:
         return await self.process(message)
+
+
+_T = TypeVar("_T")
+
+
+async def _overlapped(main: Awaitable[_T], side: Callable[[], Awaitable[object]]) -> _T:
+    """``main``'s answer, with ``side`` run while ``main`` waits for Postgres (a batch's claim
+    takes milliseconds of the server's time, in which this process would sit idle). ``side``
+    failing is only logged; ``main`` never outlives this call."""
+    task = asyncio.ensure_future(main)
+    try:
+        await asyncio.sleep(0)  # main's query goes out before side takes the loop
+        try:
+            await side()
+        except Exception:
+            log.debug("work alongside a claim failed (the handler's call redoes it)", exc_info=True)
+        return await task
+    finally:
+        if not task.done():  # cancelled while side ran: the connection must be free after
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 def _rider(hook: CommitHook | None, message: ConsumerMessage) -> Rider | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import rfc8785
@@ -49,6 +49,28 @@ _SAFE_INT = 2**53 - 1
 _PLAIN_ENCODER = json.JSONEncoder(
     ensure_ascii=False, separators=(",", ":"), sort_keys=True, allow_nan=False
 )
+
+
+def _reused_encoder() -> Callable[[Any], str]:
+    """``_PLAIN_ENCODER.encode`` without building its C encoder on every call (half its cost
+    for a small message). No cycle check is needed: :func:`_plain` admits no value nested
+    deeper than :data:`MAX_DEPTH`, so none with a cycle. Falls back to ``encode`` where the C
+    accelerator is absent or its arguments differ from this interpreter's."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    try:
+        iterencode = make(  # type: ignore[misc]
+            None, _PLAIN_ENCODER.default, json.encoder.encode_basestring,
+            None, ":", ",", True, False, False,
+        )  # fmt: skip
+        sample = {"b": [1, "\u00e9\n", None, True], "a": {"c": -2}}
+        if "".join(iterencode(sample, 0)) == _PLAIN_ENCODER.encode(sample):
+            return lambda value: "".join(iterencode(value, 0))
+    except TypeError:  # None (no C accelerator), or another signature
+        pass
+    return _PLAIN_ENCODER.encode
+
+
+_encode_plain = _reused_encoder()
 
 
 def _plain(value: Any) -> bool:
@@ -107,7 +129,7 @@ def canonical_json(value: Any) -> bytes:
     if _plain(value):
         # the common case, in C (the pure-Python serialiser was a third of a batch's CPU)
         try:
-            return _PLAIN_ENCODER.encode(value).encode("utf-8")
+            return _encode_plain(value).encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate: rfc8785 reports it
             pass
     if isinstance(value, Mapping | list | tuple) and _nested_deeper_than(value, MAX_DEPTH):

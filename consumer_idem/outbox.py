@@ -46,7 +46,7 @@ import logging
 import weakref
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
@@ -173,13 +173,36 @@ class UnitOutbox:
 
 @dataclass(eq=False)
 class _Units:
-    """The unit (or, in batch mode, the units by message) running on one connection."""
+    """The unit (or, in batch mode, the units by message) running on one connection. A batch's
+    units are made when a handler first asks for one: most members publish nothing, and a
+    batch of hundreds should not pay for hundreds of empty outboxes."""
 
+    scope: str
     single: UnitOutbox | None = None
-    by_message: dict[int, UnitOutbox] | None = None
+    #: batch mode: the members, and each one's key
+    messages: tuple[Any, ...] = ()
+    keys: Sequence[str] = ()
+    #: batch mode: id(message) -> its position, built when a handler first asks for an outbox
+    position: dict[int, int] | None = None
+    #: batch mode: position -> the member's outbox, once asked for
+    made: dict[int, UnitOutbox] = field(default_factory=dict)
 
     def all(self) -> list[UnitOutbox]:
-        return [self.single] if self.single else list((self.by_message or {}).values())
+        """Every unit with an outbox, in the batch's order."""
+        if self.single is not None:
+            return [self.single]
+        return [self.made[i] for i in sorted(self.made)]
+
+    def of(self, message: Any) -> UnitOutbox:
+        if self.position is None:
+            self.position = {id(m): i for i, m in enumerate(self.messages)}
+        i = self.position.get(id(message))
+        if i is None:
+            raise NoOutbox("this message is not one of the batch this handler runs")
+        unit = self.made.get(i)
+        if unit is None:
+            unit = self.made[i] = UnitOutbox(self.scope, self.keys[i])
+        return unit
 
 
 #: connection -> its running unit(s); an entry lives exactly as long as the unit's transaction
@@ -199,30 +222,26 @@ def outbox_for(conn: Any, message: Any = None) -> UnitOutbox:
         )
     if units.single is not None:
         return units.single
-    assert units.by_message is not None
     if message is None:
         raise NoOutbox(
             "batch mode: each message is its own unit; say which one the outgoing message "
             "belongs to: outbox_for(conn, message)"
         )
-    unit = units.by_message.get(id(message))
-    if unit is None:
-        raise NoOutbox("this message is not one of the batch this handler runs")
-    return unit
+    return units.of(message)
 
 
 def open_unit(conn: Any, scope: str, key: str) -> UnitOutbox:
     """The claim engine: the unit (``scope``, ``key``) owns ``conn``'s transaction now."""
     unit = UnitOutbox(scope, key)
-    _running[conn] = _Units(single=unit)
+    _running[conn] = _Units(scope, single=unit)
     return unit
 
 
-def open_batch(conn: Any, scope: str, members: Sequence[tuple[Any, str]]) -> list[UnitOutbox]:
-    """Batch mode: each (message, key) of ``members`` is a unit in ``conn``'s transaction."""
-    by_message = {id(message): UnitOutbox(scope, key) for message, key in members}
-    _running[conn] = _Units(by_message=by_message)
-    return list(by_message.values())
+def open_batch(conn: Any, scope: str, messages: Sequence[Any], keys: Sequence[str]) -> _Units:
+    """Batch mode: each of ``messages`` (with its key, ``keys[i]``) is a unit in ``conn``'s
+    transaction; what they published is ``pending(units)`` of the answer."""
+    units = _running[conn] = _Units(scope, messages=tuple(messages), keys=keys)
+    return units
 
 
 def close_units(conn: Any) -> None:
@@ -230,8 +249,9 @@ def close_units(conn: Any) -> None:
     _running.pop(conn, None)
 
 
-def pending(units: Sequence[UnitOutbox]) -> list[OutgoingMessage]:
-    return [m for unit in units for m in unit.messages]
+def pending(units: _Units) -> list[OutgoingMessage]:
+    """What the batch's members published: member by member, in the batch's order."""
+    return [m for unit in units.all() for m in unit.messages]
 
 
 # --- senders -------------------------------------------------------------------------------------

@@ -677,3 +677,129 @@ async def test_a_two_phase_poison_message_is_dead_lettered_not_parked(
     assert corrected.action is Action.ACK and charged == [5]
     record = await store.get(scope, "k")
     assert record is not None and record.status is Status.COMPLETED
+
+
+# --- work alongside a batch's claim (process_batch(alongside=...)) -------------------------------
+
+
+async def test_work_alongside_a_claim_runs_while_the_claim_is_in_postgres(
+    store: PostgresStore,
+    pg_pool: asyncpg.Pool,
+    ledger: str,
+    scope: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The transport's own preparation runs while the claim's statement is in the server:
+    not before it was sent (the process would sit idle for the claim's milliseconds after
+    it), nor after its answer came back."""
+    claim_many = store.fast_path.claim_many
+    answered: list[bool] = []
+
+    async def claim(*args: Any, **kwargs: Any) -> set[str]:
+        claimed = await claim_many(*args, **kwargs)
+        answered.append(True)
+        return claimed
+
+    monkeypatch.setattr(store.fast_path, "claim_many", claim)
+    at_start: list[bool] = []
+    seen: list[str] = []
+
+    async def alongside() -> None:
+        at_start.append(bool(answered))
+        for _ in range(200):  # the server has the claim (running, or done and not yet read)
+            query = await pg_pool.fetchval(
+                "SELECT query FROM pg_stat_activity WHERE query LIKE '%unnest($2::text[]%'"
+                " AND pid <> pg_backend_pid() AND state <> 'idle'"
+            )
+            if query is not None:
+                seen.append(query)
+                return
+            await asyncio.sleep(0.01)
+
+    @idempotent_consumer(store, scope=scope, batch=True, backoff=(0.01, 0.05))
+    async def book(messages: list[ConsumerMessage], conn: asyncpg.Connection) -> None:
+        for m in messages:
+            await conn.execute("INSERT INTO edge_ledger VALUES ($1, $2, 1)", scope, m.json()["k"])
+
+    verdicts = await book.process_batch(
+        [msg(f"k{i}", {"k": f"k{i}"}) for i in range(5)], alongside=alongside
+    )
+    assert [v.action for v in verdicts] == [Action.ACK] * 5
+    assert at_start == [False], "the preparation ran after the claim's answer was read"
+    assert seen, "the preparation ran before the claim was sent"
+    assert answered == [True] and len(await rows(pg_pool, scope)) == 5
+
+
+async def test_work_alongside_a_claim_that_fails_changes_nothing(
+    store: PostgresStore, pg_pool: asyncpg.Pool, ledger: str, scope: str
+) -> None:
+    async def alongside() -> None:
+        raise RuntimeError("a decoder that fails")
+
+    @idempotent_consumer(store, scope=scope, batch=True, backoff=(0.01, 0.05))
+    async def book(messages: list[ConsumerMessage], conn: asyncpg.Connection) -> list[Any]:
+        for m in messages:
+            await conn.execute("INSERT INTO edge_ledger VALUES ($1, $2, 1)", scope, m.json()["k"])
+        return [m.json()["k"] for m in messages]
+
+    verdicts = await book.process_batch(
+        [msg(f"k{i}", {"k": f"k{i}"}) for i in range(3)], alongside=alongside
+    )
+    assert [v.action for v in verdicts] == [Action.ACK] * 3
+    assert [v.result for v in verdicts] == ["k0", "k1", "k2"]
+    assert await rows(pg_pool, scope) == {"k0": 1, "k1": 1, "k2": 1}
+
+
+async def test_a_batch_cancelled_while_work_alongside_its_claim_runs_leaves_nothing_behind(
+    pg_dsn: str, pg_pool: asyncpg.Pool, ledger: str, scope: str
+) -> None:
+    """Cancelled (a consumer stopping) while the preparation runs and the claim waits in the
+    server: the claim is not left running on the connection (the pool gets it back usable)
+    and no key stays claimed."""
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=1)  # one connection: reused
+    assert pool is not None
+    own = PostgresStore(pool)
+    started = asyncio.Event()
+    ran: list[str] = []
+
+    async def alongside() -> None:
+        started.set()
+        await asyncio.Event().wait()  # until cancelled
+
+    @idempotent_consumer(own, scope=scope, batch=True, backoff=(0.01, 0.05))
+    async def book(messages: list[ConsumerMessage], conn: asyncpg.Connection) -> None:
+        for m in messages:
+            ran.append(m.json()["k"])
+            await conn.execute("INSERT INTO edge_ledger VALUES ($1, $2, 1)", scope, m.json()["k"])
+
+    batch = [msg(f"k{i}", {"k": f"k{i}"}) for i in range(3)]
+    backend = await pool.fetchval("SELECT pg_backend_pid()")
+    blocker = await pg_pool.acquire()
+    try:
+        # another transaction's uncommitted claim of k0: this batch's claim waits in the server
+        async with blocker.transaction():
+            await own.fast_path.claim_many(blocker, scope, ["k0"], [FP])
+            task = asyncio.ensure_future(book.process_batch(batch, alongside=alongside))
+            await asyncio.wait_for(started.wait(), 10)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(task, 10)
+            raise _RollBack
+    except _RollBack:
+        pass
+    finally:
+        await pg_pool.release(blocker)
+    try:
+        # the same connection, not one the pool had to drop for a query still running on it
+        assert await pool.fetchval("SELECT pg_backend_pid()") == backend
+        assert ran == [] and await rows(pg_pool, scope) == {}
+        for i in range(3):
+            assert await own.get(scope, f"k{i}") is None  # the claim was rolled back
+        again = await asyncio.wait_for(book.process_batch(batch), 10)
+        assert [v.action for v in again] == [Action.ACK] * 3 and ran == ["k0", "k1", "k2"]
+    finally:
+        await pool.close()
+
+
+class _RollBack(Exception):
+    """Ends a test's ``transaction()`` block with a rollback."""

@@ -149,6 +149,8 @@ class _Call:
     message: StreamMessage[Any]
     context: Any
     key: str
+    #: a batch: the handler's copy of the whole delivery, decoded while its claim was in flight
+    ahead: batch.DecodedAhead | None = None
 
 
 _CURRENT: ContextVar[_Call] = ContextVar("consumer_idem_faststream_call")
@@ -895,9 +897,12 @@ class _Middleware(BaseMiddleware):
         self.message = msg
         if isinstance(msg.raw_message, tuple | list):  # a Kafka batch subscriber (a list: tests)
             self.members = batch.members(idem, self.subscriber, msg)
-            token = _CURRENT.set(_Call(call_next, msg, self.context, ""))
+            ahead = batch.DecodedAhead(msg, self.members)
+            token = _CURRENT.set(_Call(call_next, msg, self.context, "", ahead))
             try:
-                self.verdicts = await idem.batch_consumer.process_batch(self.members)
+                self.verdicts = await idem.batch_consumer.process_batch(
+                    self.members, alongside=ahead
+                )
             finally:
                 _CURRENT.reset(token)
             raise _Settled(None)  # a batch subscriber publishes nothing through FastStream

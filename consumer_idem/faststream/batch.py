@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any, cast, overload
 
 import asyncpg
 from faststream import Context, StreamMessage
@@ -58,7 +58,28 @@ class IdempotencyBatchContext:
     #: the open connection: write on it to commit with the records
     conn: asyncpg.Connection
     #: each member's outbox: what is published there commits with that member
-    outboxes: list[UnitOutbox]
+    outboxes: Sequence[UnitOutbox]
+
+
+class _Outboxes(Sequence[UnitOutbox]):
+    """``current.outboxes``: member ``i``'s outbox is made when the handler first asks for it
+    (most members of a big batch publish nothing)."""
+
+    def __init__(self, conn: Any, messages: Sequence[ConsumerMessage]) -> None:
+        self._conn = conn
+        self._messages = messages
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    @overload
+    def __getitem__(self, index: int) -> UnitOutbox: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[UnitOutbox]: ...
+    def __getitem__(self, index: int | slice) -> UnitOutbox | list[UnitOutbox]:
+        if isinstance(index, slice):
+            return [outbox_for(self._conn, m) for m in self._messages[index]]
+        return outbox_for(self._conn, self._messages[index])
 
 
 #: the batch's context, for a handler parameter: ``current: CurrentIdempotencyBatch``
@@ -98,10 +119,10 @@ async def handle(
         prepared = consumer.prepare(message)  # memoized: the core derived it already
         assert not isinstance(prepared, Verdict), "a member without a key reached the handler"
         keys.append(prepared[0])
-    current = IdempotencyBatchContext(
-        idem.scope, keys, list(messages), conn, [outbox_for(conn, m) for m in messages]
-    )
-    result = await _call(call, current, _narrowed(call.message, messages))
+    members = list(messages)
+    current = IdempotencyBatchContext(idem.scope, keys, members, conn, _Outboxes(conn, members))
+    handed = call.ahead.take(messages) if call.ahead is not None else None
+    result = await _call(call, current, handed or _narrowed(call.message, messages))
     if result is None or result is _ACKED:  # nothing to store: a batch publishes nothing
         return []
     if not isinstance(result, list | tuple) or len(result) != len(messages):
@@ -127,6 +148,33 @@ def _narrowed(message: StreamMessage[Any], run: Sequence[ConsumerMessage]) -> St
         narrowed.batch_headers = [message.batch_headers[i] for i in picked]
         narrowed.headers = narrowed.batch_headers[0] if picked else {}
     return narrowed
+
+
+class DecodedAhead:
+    """The handler's copy of the whole delivery, decoded (by the subscriber's decoder) while
+    the batch's claim is in flight: the decode is most of the handler call's own cost, and
+    the process would otherwise wait idle for Postgres. Taken only when the core runs every
+    record, in order (no duplicate, no fallback); otherwise the handler's copy is narrowed
+    and decoded afresh, and this one is dropped. A decoder should have no side effects: it
+    may run once more, or for a batch whose records were all done already."""
+
+    def __init__(self, message: StreamMessage[Any], members: Sequence[ConsumerMessage]) -> None:
+        self.message = message
+        self.members = members
+        self.copy: StreamMessage[Any] | None = None
+
+    async def __call__(self) -> None:
+        copy = _narrowed(self.message, self.members)
+        await copy.decode()  # cached in the copy: the handler call's decode finds it
+        self.copy = copy
+
+    def take(self, run: Sequence[ConsumerMessage]) -> StreamMessage[Any] | None:
+        copy, self.copy = self.copy, None  # once: a second call is another attempt
+        if copy is None or len(run) != len(self.members):
+            return None
+        if any(a is not b for a, b in zip(run, self.members, strict=True)):
+            return None
+        return copy
 
 
 # --- settling ------------------------------------------------------------------------------------
@@ -221,19 +269,21 @@ async def settle_batch(
     decided); then commit every partition up to its first member not settled, and seek each
     such partition back to it (after the longest wait asked for). True when all were settled."""
     settler = _BatchSettler(idem, subscriber)
+    stats, done, back = settler.stats, settler.done, settler.back
     for i, incoming in enumerate(run):
-        member = _Member(incoming.raw, incoming)
-        if member.partition in settler.back:
+        record = incoming.raw
+        partition = (record.topic, record.partition)
+        if partition in back:
             continue  # after a member that waits: delivered again with it, in order
         verdict = verdicts[i] if i < len(verdicts) else None
         if verdict is None:  # the core stopped at a wait: the rest was not decided
-            await settler.give_back(member)
+            back.setdefault(partition, record.offset)
         elif settled_by_commit(verdict):  # the commit settled it: ack, as the settle path would
-            settle.count_ack(settler.stats, verdict)
-            settler.stats.processed += 1
-            await settler.ack(member)
+            settle.count_ack(stats, verdict)
+            stats.processed += 1
+            done[partition] = record.offset + 1  # inlined ack(): this loop runs per record
         else:
-            await settle.settle(settler, member, verdict)
+            await settle.settle(settler, _Member(record, incoming), verdict)
     transport = settler.transport
     # each partition up to its first record not settled (acks come in order, and none after
     # a stop): in the background, while the next batch is fetched

@@ -130,7 +130,11 @@ class StoreBase:
 
     def check(self, scope: str, key: str | bytes) -> tuple[str, str]:
         """Validate scope and key (raises InvalidKey); returns them as stored."""
-        return validate_scope(scope), normalize_key(key, hash_invalid=self.hash_invalid_keys)
+        return validate_scope(scope), self.check_key(key)
+
+    def check_key(self, key: str | bytes) -> str:
+        """Validate a key of a scope checked already (raises InvalidKey); returns it as stored."""
+        return normalize_key(key, hash_invalid=self.hash_invalid_keys)
 
     def count_decision(self, decision: Decision, scope: str) -> None:
         """One counter per reservation decision, plus ``zombie`` for a lease found expired."""
