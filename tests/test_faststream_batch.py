@@ -18,7 +18,7 @@ import asyncpg
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from faststream import AckPolicy, Context, ExceptionMiddleware
+from faststream import AckPolicy, BaseMiddleware, Context, ExceptionMiddleware
 from faststream.exceptions import RejectMessage
 from faststream.kafka import KafkaBroker, KafkaRouter, TestKafkaBroker
 from faststream.kafka.annotations import KafkaMessage
@@ -764,6 +764,28 @@ async def test_a_parser_outage_is_waited_out_not_dead_lettered(
     assert await effects_by_key(pg_pool, scope) == Counter({f"k{i}": 1 for i in range(6)})
 
 
+def decoded_batches(router: KafkaRouter, topic: str, group: str, decoder: Any) -> Any:
+    """A batch subscriber (up to 50 records a batch) with a decoder of its own."""
+    return router.subscriber(
+        topic,
+        group_id=group,
+        batch=True,
+        max_records=50,
+        ack_policy=AckPolicy.MANUAL,
+        auto_offset_reset="earliest",
+        decoder=decoder,
+    )
+
+
+async def committed_up_to(admin: AIOKafkaAdminClient, group: str, count: int) -> None:
+    """Wait until the group committed ``count`` records of its one partition."""
+
+    async def done() -> bool:
+        return await committed(admin, group) == {0: count}
+
+    await wait_until(done, 30, f"{count} records to be settled")
+
+
 async def test_the_batch_is_decoded_once_while_its_claim_runs_and_afresh_when_narrowed(
     settings: Settings,
     store: PostgresStore,
@@ -794,15 +816,7 @@ async def test_the_batch_is_decoded_once_while_its_claim_runs_and_afresh_when_na
     handled: list[tuple[tuple[int, ...], list[Any]]] = []
     wrong: list[tuple[tuple[int, ...], list[Any]]] = []
 
-    @router.subscriber(
-        topic,
-        group_id=group,
-        batch=True,
-        max_records=50,
-        ack_policy=AckPolicy.MANUAL,
-        auto_offset_reset="earliest",
-        decoder=decoder,
-    )
+    @decoded_batches(router, topic, group, decoder)
     async def handle(bodies: list[dict[str, Any]], current: CurrentIdempotencyBatch) -> None:
         run = tuple(m.offset or 0 for m in current.messages)
         if bodies != [json.loads(m.body) for m in current.messages]:
@@ -814,25 +828,16 @@ async def test_the_batch_is_decoded_once_while_its_claim_runs_and_afresh_when_na
     fresh[10] = ("k10", json.dumps({"n": 10, "fail_ahead": True}).encode())
     await broker.start()
     try:
-
-        async def settled(count: int) -> None:
-            async def done() -> bool:
-                return idem.stats.processed >= count and (
-                    await committed(kafka_admin, group) == {0: count}
-                )
-
-            await wait_until(done, 30, f"{count} records to be settled")
-
         await send(kafka_producer, topic, fresh[:10], 1)
-        await settled(10)
+        await committed_up_to(kafka_admin, group, 10)
         plain = list(handled)
         await send(kafka_producer, topic, fresh[10:], 1)  # k10's delivery fails its decode ahead
-        await settled(20)
+        await committed_up_to(kafka_admin, group, 20)
         failing = handled[len(plain) :]
         # new records with earlier ones again among them: the handler runs only the new ones
         await send(kafka_producer, topic, [item for i in range(5) for item in (
             (f"k{20 + i}", json.dumps({"n": 20 + i}).encode()), fresh[i])], 1)  # fmt: skip
-        await settled(30)
+        await committed_up_to(kafka_admin, group, 30)
     finally:
         await broker.stop()
     assert not wrong, f"the handler's bodies are not the records it runs: {wrong}"
@@ -846,3 +851,61 @@ async def test_the_batch_is_decoded_once_while_its_claim_runs_and_afresh_when_na
     # each later delivery was decoded whole (ahead) and then narrowed (for the handler)
     assert all(decoded[run] == 1 for run, _ in later)
     assert sum(decoded.values()) > sum(decoded[run] for run, _ in handled)
+
+
+class _Upcaster(BaseMiddleware):
+    """A middleware inside the idempotency one that rewrites every body (a schema upgrade),
+    without FastStream's ``clear_cache()``: nothing has decoded the message before it."""
+
+    async def consume_scope(self, call_next: Any, msg: Any) -> Any:
+        msg.body = [json.dumps({**json.loads(b), "v": 2}).encode() for b in msg.body]
+        return await call_next(msg)
+
+
+async def test_the_outboxes_and_an_inner_middleware_s_bodies_belong_to_the_records_run(
+    settings: Settings,
+    store: PostgresStore,
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    kafka_topic_factory: Any,
+    kafka_admin: AIOKafkaAdminClient,
+    kafka_producer: AIOKafkaProducer,
+) -> None:
+    """``current.outboxes[i]`` stays member ``i``'s however the handler rearranges its own
+    view (``current.messages``); the handler gets the bodies a middleware inside this one
+    made, whether the decode ahead of the claim is reused (every record runs) or not (a
+    duplicate drops out)."""
+    topic = await kafka_topic_factory("fsbo", partitions=1)
+    announced = await kafka_topic_factory("fsboout")
+    group = unique("fsbg")
+    broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
+    idem = Idempotency(store, broker=broker, scope=scope, key=KEY, backoff=(0.05, 0.1))
+    router = KafkaRouter(middlewares=[idem, _Upcaster])
+    handled: list[list[dict[str, Any]]] = []
+
+    async def decoder(msg: KafkaMessage) -> Any:  # FastStream's batch decoder reads the records
+        return [json.loads(b) for b in msg.body]
+
+    @decoded_batches(router, topic, group, decoder)
+    async def handle(bodies: list[dict[str, Any]], current: CurrentIdempotencyBatch) -> None:
+        handled.append(bodies)
+        current.messages.reverse()  # the handler's own view, in another order
+        for i, body in enumerate(bodies):
+            current.outboxes[i].publish(announced, {"for": f"k{body['n']}"})
+
+    broker.include_router(router)
+    items = keyed(6)
+    await broker.start()
+    try:
+        await send(kafka_producer, topic, items[:3], 1)  # every record runs
+        await committed_up_to(kafka_admin, group, 3)
+        await send(kafka_producer, topic, [items[0], *items[3:]], 1)  # k0 again: narrowed
+        await committed_up_to(kafka_admin, group, 7)
+    finally:
+        await broker.stop()
+    assert [b.get("v") for bodies in handled for b in bodies] == [2] * 6, handled
+    rows = await pg_pool.fetch(
+        f"SELECT unit_key, body FROM {store.schema}.outbox_messages WHERE scope = $1", scope
+    )
+    pairs = sorted((r["unit_key"], json.loads(bytes(r["body"]))["for"]) for r in rows)
+    assert pairs == [(f"k{i}", f"k{i}") for i in range(6)], pairs

@@ -25,7 +25,7 @@ outbox (``current.outboxes[i]``), which commits with that member.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, cast, overload
 
@@ -119,8 +119,9 @@ async def handle(
         prepared = consumer.prepare(message)  # memoized: the core derived it already
         assert not isinstance(prepared, Verdict), "a member without a key reached the handler"
         keys.append(prepared[0])
-    members = list(messages)
-    current = IdempotencyBatchContext(idem.scope, keys, members, conn, _Outboxes(conn, members))
+    # the outboxes keep their own order: a handler may reorder ``current.messages`` in place
+    outboxes = _Outboxes(conn, tuple(messages))
+    current = IdempotencyBatchContext(idem.scope, keys, list(messages), conn, outboxes)
     handed = call.ahead.take(messages) if call.ahead is not None else None
     result = await _call(call, current, handed or _narrowed(call.message, messages))
     if result is None or result is _ACKED:  # nothing to store: a batch publishes nothing
@@ -156,16 +157,30 @@ class DecodedAhead:
     the process would otherwise wait idle for Postgres. Taken only when the core runs every
     record, in order (no duplicate, no fallback); otherwise the handler's copy is narrowed
     and decoded afresh, and this one is dropped. A decoder should have no side effects: it
-    may run once more, or for a batch whose records were all done already."""
+    may run once more, or for a batch whose records were all done already.
+
+    The copy's decoder answers with the early result only while what a decoder reads is, by
+    identity, what was decoded: a middleware inside this one that replaces the body (an
+    upcaster) gets its body decoded, as in FastStream without this middleware."""
 
     def __init__(self, message: StreamMessage[Any], members: Sequence[ConsumerMessage]) -> None:
         self.message = message
         self.members = members
         self.copy: StreamMessage[Any] | None = None
+        self.decoded: Any = None
+        self.inputs: tuple[Any, ...] = ()
+        # the subscriber's decoder, set on the delivery by FastStream before the middlewares
+        # run; it has no public getter (without it, the handler's call decodes, as before)
+        self.decoder: Callable[[StreamMessage[Any]], Awaitable[Any]] | None = getattr(
+            message, "_StreamMessage__decoder", None
+        )
 
     async def __call__(self) -> None:
+        if self.decoder is None:
+            return
         copy = _narrowed(self.message, self.members)
-        await copy.decode()  # cached in the copy: the handler call's decode finds it
+        self.decoded = await self.decoder(copy)
+        self.inputs = _decoder_inputs(copy)
         self.copy = copy
 
     def take(self, run: Sequence[ConsumerMessage]) -> StreamMessage[Any] | None:
@@ -174,7 +189,33 @@ class DecodedAhead:
             return None
         if any(a is not b for a, b in zip(run, self.members, strict=True)):
             return None
+        copy.set_decoder(self._early_or_afresh)
         return copy
+
+    async def _early_or_afresh(self, message: StreamMessage[Any]) -> Any:
+        inputs = _decoder_inputs(message)
+        if len(inputs) == len(self.inputs) and all(
+            a is b for a, b in zip(inputs, self.inputs, strict=True)
+        ):
+            return self.decoded
+        assert self.decoder is not None  # take() hands out a copy only after a decode
+        return await self.decoder(message)
+
+
+def _decoder_inputs(message: StreamMessage[Any]) -> tuple[Any, ...]:
+    """What a decoder reads, element by element: any of them replaced means decode again."""
+    body = message.body
+    parts = body if isinstance(body, list | tuple) else ()
+    headers = message.batch_headers
+    return (
+        message.raw_message,
+        body,
+        *parts,
+        message.headers,
+        headers,
+        *headers,
+        message.content_type,
+    )
 
 
 # --- settling ------------------------------------------------------------------------------------
