@@ -765,7 +765,7 @@ async def test_a_parser_outage_is_waited_out_not_dead_lettered(
 
 
 def decoded_batches(router: KafkaRouter, topic: str, group: str, decoder: Any) -> Any:
-    """A batch subscriber (up to 50 records a batch) with a decoder of its own."""
+    """A batch subscriber (up to 50 records a batch) with a decoder of its own (or None)."""
     return router.subscriber(
         topic,
         group_id=group,
@@ -793,6 +793,7 @@ async def test_the_batch_is_decoded_once_while_its_claim_runs_and_afresh_when_na
     kafka_topic_factory: Any,
     kafka_admin: AIOKafkaAdminClient,
     kafka_producer: AIOKafkaProducer,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The subscriber's decoder runs for the whole delivery while its claim is in Postgres,
     and the handler's call reuses that (one decode per batch, as without the middleware).
@@ -803,11 +804,24 @@ async def test_the_batch_is_decoded_once_while_its_claim_runs_and_afresh_when_na
     broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
     idem = Idempotency(store, broker=broker, scope=scope, key=KEY, backoff=(0.05, 0.1))
     router = KafkaRouter(middlewares=[idem])
+    claiming: list[bool] = []  # a batch's claim is in flight
+    claim_many = store.fast_path.claim_many
+
+    async def claim(*args: Any, **kwargs: Any) -> set[str]:
+        claiming.append(True)
+        try:
+            return await claim_many(*args, **kwargs)
+        finally:
+            claiming.pop()
+
+    monkeypatch.setattr(store.fast_path, "claim_many", claim)
     decoded: Counter[tuple[int, ...]] = Counter()
+    during_claim: Counter[tuple[int, ...]] = Counter()
 
     async def decoder(msg: KafkaMessage, original: Any) -> Any:
         offsets = tuple(r.offset for r in msg.raw_message)
         decoded[offsets] += 1
+        during_claim[offsets] += bool(claiming)
         failing = any(b'"fail_ahead"' in (r.value or b"") for r in msg.raw_message)
         if failing and decoded[offsets] == 1:
             raise ValueError("the first decode of this delivery fails")
@@ -842,8 +856,8 @@ async def test_the_batch_is_decoded_once_while_its_claim_runs_and_afresh_when_na
         await broker.stop()
     assert not wrong, f"the handler's bodies are not the records it runs: {wrong}"
     assert sorted(b["n"] for _, bodies in handled for b in bodies) == list(range(25))
-    for run, _ in plain:  # every member ran: the decode ahead was the handler's
-        assert decoded[run] == 1, (run, decoded)
+    for run, _ in plain:  # every member ran: the decode ahead, during the claim, was the handler's
+        assert decoded[run] == during_claim[run] == 1, (run, decoded, during_claim)
     for run, _ in failing:
         assert decoded[run] == (2 if 10 in run else 1), (run, decoded)
     later = handled[len(plain) + len(failing) :]
@@ -854,11 +868,13 @@ async def test_the_batch_is_decoded_once_while_its_claim_runs_and_afresh_when_na
 
 
 class _Upcaster(BaseMiddleware):
-    """A middleware inside the idempotency one that rewrites every body (a schema upgrade),
-    without FastStream's ``clear_cache()``: nothing has decoded the message before it."""
+    """A middleware inside the idempotency one that upgrades every record in place (FastStream's
+    batch decoder reads the records): the handler must get the upgraded bodies, as without the
+    idempotency middleware, whether or not a duplicate narrowed its batch."""
 
     async def consume_scope(self, call_next: Any, msg: Any) -> Any:
-        msg.body = [json.dumps({**json.loads(b), "v": 2}).encode() for b in msg.body]
+        for record in msg.raw_message:
+            record.value = json.dumps({**json.loads(record.value), "v": 2}).encode()
         return await call_next(msg)
 
 
@@ -873,8 +889,8 @@ async def test_the_outboxes_and_an_inner_middleware_s_bodies_belong_to_the_recor
 ) -> None:
     """``current.outboxes[i]`` stays member ``i``'s however the handler rearranges its own
     view (``current.messages``); the handler gets the bodies a middleware inside this one
-    made, whether the decode ahead of the claim is reused (every record runs) or not (a
-    duplicate drops out)."""
+    made (nothing is decoded ahead of it), whether every record runs or a duplicate drops
+    out."""
     topic = await kafka_topic_factory("fsbo", partitions=1)
     announced = await kafka_topic_factory("fsboout")
     group = unique("fsbg")
@@ -883,10 +899,7 @@ async def test_the_outboxes_and_an_inner_middleware_s_bodies_belong_to_the_recor
     router = KafkaRouter(middlewares=[idem, _Upcaster])
     handled: list[list[dict[str, Any]]] = []
 
-    async def decoder(msg: KafkaMessage) -> Any:  # FastStream's batch decoder reads the records
-        return [json.loads(b) for b in msg.body]
-
-    @decoded_batches(router, topic, group, decoder)
+    @decoded_batches(router, topic, group, None)
     async def handle(bodies: list[dict[str, Any]], current: CurrentIdempotencyBatch) -> None:
         handled.append(bodies)
         current.messages.reverse()  # the handler's own view, in another order

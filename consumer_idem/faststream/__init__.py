@@ -897,7 +897,9 @@ class _Middleware(BaseMiddleware):
         self.message = msg
         if isinstance(msg.raw_message, tuple | list):  # a Kafka batch subscriber (a list: tests)
             self.members = batch.members(idem, self.subscriber, msg)
-            ahead = batch.DecodedAhead(msg, self.members)
+            ahead = None
+            if batch.innermost(self.subscriber, call_next):
+                ahead = batch.DecodedAhead(msg, self.members, self.context)
             token = _CURRENT.set(_Call(call_next, msg, self.context, "", ahead))
             try:
                 self.verdicts = await idem.batch_consumer.process_batch(

@@ -25,7 +25,7 @@ outbox (``current.outboxes[i]``), which commits with that member.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, cast, overload
 
@@ -151,36 +151,36 @@ def _narrowed(message: StreamMessage[Any], run: Sequence[ConsumerMessage]) -> St
     return narrowed
 
 
+def innermost(subscriber: Any, call_next: Any) -> bool:
+    """Is ``call_next`` the handler's own call, with no middleware inside this one? Only then
+    does nothing run between this middleware and the handler's decode: a middleware inside it
+    may change what the decoder reads (the records in place, a header, a context variable)."""
+    return any(call_next == item.handler.call_wrapped for item in getattr(subscriber, "calls", ()))
+
+
 class DecodedAhead:
-    """The handler's copy of the whole delivery, decoded (by the subscriber's decoder) while
-    the batch's claim is in flight: the decode is most of the handler call's own cost, and
-    the process would otherwise wait idle for Postgres. Taken only when the core runs every
-    record, in order (no duplicate, no fallback); otherwise the handler's copy is narrowed
-    and decoded afresh, and this one is dropped. A decoder should have no side effects: it
-    may run once more, or for a batch whose records were all done already.
+    """The handler's copy of the whole delivery, decoded (by the subscriber's decoder, cached
+    in the copy as FastStream caches a decode) while the batch's claim is in flight: the decode
+    is most of the handler call's own cost, and the process would otherwise wait idle for
+    Postgres. Used only when this middleware is the innermost (:func:`innermost`), and taken
+    only when the core runs every record, in order (no duplicate, no fallback); otherwise the
+    handler's copy is narrowed and decoded afresh, and this one is dropped. A decoder should
+    have no side effects: it may run once more, or for a batch whose records were all done
+    already. It runs with ``message`` in the context (the copy), as in the handler's call, but
+    before the ``idempotency`` context exists."""
 
-    The copy's decoder answers with the early result only while what a decoder reads is, by
-    identity, what was decoded: a middleware inside this one that replaces the body (an
-    upcaster) gets its body decoded, as in FastStream without this middleware."""
-
-    def __init__(self, message: StreamMessage[Any], members: Sequence[ConsumerMessage]) -> None:
+    def __init__(
+        self, message: StreamMessage[Any], members: Sequence[ConsumerMessage], context: Any
+    ) -> None:
         self.message = message
         self.members = members
+        self.context = context
         self.copy: StreamMessage[Any] | None = None
-        self.decoded: Any = None
-        self.inputs: tuple[Any, ...] = ()
-        # the subscriber's decoder, set on the delivery by FastStream before the middlewares
-        # run; it has no public getter (without it, the handler's call decodes, as before)
-        self.decoder: Callable[[StreamMessage[Any]], Awaitable[Any]] | None = getattr(
-            message, "_StreamMessage__decoder", None
-        )
 
     async def __call__(self) -> None:
-        if self.decoder is None:
-            return
         copy = _narrowed(self.message, self.members)
-        self.decoded = await self.decoder(copy)
-        self.inputs = _decoder_inputs(copy)
+        with self.context.scopes((("message", copy),)):
+            await copy.decode()  # cached in the copy: the handler call's decode finds it
         self.copy = copy
 
     def take(self, run: Sequence[ConsumerMessage]) -> StreamMessage[Any] | None:
@@ -189,33 +189,7 @@ class DecodedAhead:
             return None
         if any(a is not b for a, b in zip(run, self.members, strict=True)):
             return None
-        copy.set_decoder(self._early_or_afresh)
         return copy
-
-    async def _early_or_afresh(self, message: StreamMessage[Any]) -> Any:
-        inputs = _decoder_inputs(message)
-        if len(inputs) == len(self.inputs) and all(
-            a is b for a, b in zip(inputs, self.inputs, strict=True)
-        ):
-            return self.decoded
-        assert self.decoder is not None  # take() hands out a copy only after a decode
-        return await self.decoder(message)
-
-
-def _decoder_inputs(message: StreamMessage[Any]) -> tuple[Any, ...]:
-    """What a decoder reads, element by element: any of them replaced means decode again."""
-    body = message.body
-    parts = body if isinstance(body, list | tuple) else ()
-    headers = message.batch_headers
-    return (
-        message.raw_message,
-        body,
-        *parts,
-        message.headers,
-        headers,
-        *headers,
-        message.content_type,
-    )
 
 
 # --- settling ------------------------------------------------------------------------------------
