@@ -123,7 +123,9 @@ async def handle(
     outboxes = _Outboxes(conn, tuple(messages))
     current = IdempotencyBatchContext(idem.scope, keys, list(messages), conn, outboxes)
     handed = call.ahead.take(messages) if call.ahead is not None else None
-    result = await _call(call, current, handed or _narrowed(call.message, messages))
+    if handed is None:
+        handed = _narrowed(call.message, messages)
+    result = await _call(call, current, handed)
     if result is None or result is _ACKED:  # nothing to store: a batch publishes nothing
         return []
     if not isinstance(result, list | tuple) or len(result) != len(messages):
