@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aio_pika
@@ -290,20 +290,23 @@ async def faststream_kafka_batch(
     return await _measure(broker, router, clock, idem, N)
 
 
+async def rotated(rounds: int, sides: Sequence[Callable[[], Any]]) -> list[list[float]]:
+    """Each side once a round, each round starting with the next side (none always runs
+    first, on a machine still busy with the one before); every side's rates, in order."""
+    rates: list[list[float]] = [[] for _ in sides]
+    for r in range(rounds):
+        for k in range(len(sides)):
+            i = (r + k) % len(sides)
+            rates[i].append(await sides[i]())
+    return rates
+
+
 async def alternate(
     rounds: int, baseline: Callable[[], Any], subject: Callable[[], Any]
 ) -> tuple[float, float, list[float]]:
     """Baseline and subject alternately (the first of a round alternates too); their median
     rates and the ratio of each round, for the log."""
-    base: list[float] = []
-    subj: list[float] = []
-    for r in range(rounds):
-        if r % 2 == 0:
-            base.append(await baseline())
-            subj.append(await subject())
-        else:
-            subj.append(await subject())
-            base.append(await baseline())
+    base, subj = await rotated(rounds, [baseline, subject])
     ratios = [round(s / b, 2) for s, b in zip(subj, base, strict=True)]
     return statistics.median(base), statistics.median(subj), ratios
 
@@ -321,20 +324,15 @@ async def kafka_entries(
         await send_kafka(plan(N, 0.0, 1, run_id), one)
         # single partition, batches: plain, idempotent, idempotent with offsets in Postgres.
         # Each run lasts a second or two: one run of each first, not counted (the first reads
-        # of a new topic cost more), then five rounds, each starting with the next of the three
-        # (none always runs first, on a machine still busy with the one before); medians
+        # of a new topic cost more), then five rounds, each starting with the next; medians
         sides: list[Callable[[], Any]] = [
             lambda: plain_kafka(pool, one),
             lambda: idempotent_kafka(store, one, batch=True),
             lambda: idempotent_kafka(store, one, True, offsets_in_postgres=True),
         ]
-        rates: list[list[float]] = [[], [], []]
         for run in sides:
             await run()
-        for r in range(5):
-            for i in (r % 3, (r + 1) % 3, (r + 2) % 3):
-                rates[i].append(await sides[i]())
-        plains, batches, in_pg = rates
+        plains, batches, in_pg = await rotated(5, sides)
         plain, batched, batched_pg = (statistics.median(v) for v in (plains, batches, in_pg))
         print(f"   batch rounds: plain {plains}, idempotent {batches}, in pg {in_pg}", flush=True)
         # one message per transaction on one partition: bounded (it runs at commit speed)

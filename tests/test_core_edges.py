@@ -774,21 +774,17 @@ async def test_a_batch_cancelled_while_work_alongside_its_claim_runs_leaves_noth
 
     batch = [msg(f"k{i}", {"k": f"k{i}"}) for i in range(3)]
     backend = await pool.fetchval("SELECT pg_backend_pid()")
-    blocker = await pg_pool.acquire()
-    try:
+    async with pg_pool.acquire() as blocker:
         # another transaction's uncommitted claim of k0: this batch's claim waits in the server
-        async with blocker.transaction():
-            await own.fast_path.claim_many(blocker, scope, ["k0"], [FP])
-            task = asyncio.ensure_future(book.process_batch(batch, alongside=alongside))
-            await asyncio.wait_for(started.wait(), 10)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await asyncio.wait_for(task, 10)
-            raise _RollBack
-    except _RollBack:
-        pass
-    finally:
-        await pg_pool.release(blocker)
+        tx = blocker.transaction()
+        await tx.start()
+        await own.fast_path.claim_many(blocker, scope, ["k0"], [FP])
+        task = asyncio.ensure_future(book.process_batch(batch, alongside=alongside))
+        await asyncio.wait_for(started.wait(), 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+        await tx.rollback()
     try:
         # the same connection, not one the pool had to drop for a query still running on it
         assert await pool.fetchval("SELECT pg_backend_pid()") == backend
@@ -799,7 +795,3 @@ async def test_a_batch_cancelled_while_work_alongside_its_claim_runs_leaves_noth
         assert [v.action for v in again] == [Action.ACK] * 3 and ran == ["k0", "k1", "k2"]
     finally:
         await pool.close()
-
-
-class _RollBack(Exception):
-    """Ends a test's ``transaction()`` block with a rollback."""

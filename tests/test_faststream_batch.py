@@ -57,6 +57,14 @@ def keyed(count: int, repeated: int = 0) -> list[tuple[str | None, bytes]]:
     return items + items[:repeated]
 
 
+def idempotent_broker(
+    settings: Settings, store: PostgresStore, scope: str, **options: Any
+) -> tuple[KafkaBroker, Idempotency]:
+    """A broker that publishes durably, and the middleware on ``store`` keyed by ``KEY``."""
+    broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
+    return broker, Idempotency(store, broker=broker, scope=scope, key=KEY, **options)
+
+
 async def run_until_committed(
     broker: KafkaBroker,
     admin: AIOKafkaAdminClient,
@@ -168,14 +176,8 @@ async def test_duplicates_poison_a_retry_and_an_unknown_in_batches_commit_each_p
     ]
     await send(kafka_producer, topic, items, 2)
 
-    broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
-    idem = Idempotency(
-        store,
-        broker=broker,
-        scope=scope,
-        key=KEY,
-        backoff=(0.05, 0.5),
-        reconcile_destination=notices,
+    broker, idem = idempotent_broker(
+        settings, store, scope, backoff=(0.05, 0.5), reconcile_destination=notices
     )
     sizes: list[int] = []
     failed: Counter[str] = Counter()
@@ -239,8 +241,7 @@ async def test_the_store_s_connections_terminated_mid_run_lose_and_double_nothin
     )
     assert pool is not None
     app_store = PostgresStore(pool)
-    broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
-    idem = Idempotency(app_store, broker=broker, scope=scope, key=KEY, backoff=(0.05, 0.3))
+    broker, idem = idempotent_broker(settings, app_store, scope, backoff=(0.05, 0.3))
     sizes: list[int] = []
     batch_app(broker, idem, topic, group, sizes, Counter(), max_records=20, slow=0.02)
     await broker.start()
@@ -283,8 +284,7 @@ async def test_a_key_in_progress_elsewhere_holds_its_partition_back_from_that_re
     topic = await kafka_topic_factory("fsbw", partitions=1)
     group = unique("fsbg")
     items = keyed(10)
-    broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
-    idem = Idempotency(store, broker=broker, scope=scope, key=KEY, backoff=(0.05, 0.2))
+    broker, idem = idempotent_broker(settings, store, scope, backoff=(0.05, 0.2))
     # k4 is another owner's, under a lease (a two-phase attempt elsewhere)
     held = idem.batch_consumer.prepare(to_message_of("k4", items[4][1]))
     assert not isinstance(held, Exception) and isinstance(held, tuple)
@@ -340,8 +340,7 @@ async def test_a_rebalance_between_two_consumers_loses_and_doubles_nothing(
     await send(kafka_producer, topic, items, 4)
     apps: list[tuple[KafkaBroker, Idempotency]] = []
     for _ in range(2):
-        broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
-        idem = Idempotency(store, broker=broker, scope=scope, key=KEY, backoff=(0.05, 0.3))
+        broker, idem = idempotent_broker(settings, store, scope, backoff=(0.05, 0.3))
         batch_app(broker, idem, topic, group, [], Counter(), max_records=20, slow=0.1)
         apps.append((broker, idem))
     first, second = apps
@@ -562,14 +561,8 @@ async def test_a_member_that_cannot_be_settled_stops_its_partition_s_commit_ther
         await commit(self, offsets)
 
     monkeypatch.setattr(AIOKafkaConsumer, "commit", spy)
-    broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
-    idem = Idempotency(
-        store,
-        broker=broker,
-        scope=scope,
-        key=KEY,
-        backoff=(0.05, 0.2),
-        reconcile_destination=notices,
+    broker, idem = idempotent_broker(
+        settings, store, scope, backoff=(0.05, 0.2), reconcile_destination=notices
     )
     batch_app(broker, idem, topic, group, [], Counter())
     await run_until_committed(broker, kafka_admin, group, {0: 4}, 30)
@@ -654,8 +647,7 @@ async def test_a_record_faststream_cannot_hand_over_is_dead_lettered_not_skipped
             headers.append(("trace-bin", b"\xff\xfe\x00\x01"))
         await kafka_producer.send(topic, body, partition=0, headers=headers)
     await kafka_producer.flush()
-    broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
-    idem = Idempotency(store, broker=broker, scope=scope, key=KEY, backoff=(0.05, 0.2))
+    broker, idem = idempotent_broker(settings, store, scope, backoff=(0.05, 0.2))
     options: dict[str, Any] = {}
     if fault == "filter":  # the record (or the batch) holding n = 2 has no handler
         options["filter"] = lambda msg: (
@@ -694,10 +686,7 @@ async def test_the_handler_s_own_ack_commits_nothing(
     topic = await kafka_topic_factory("fsba", partitions=1)
     group = unique("fsbg")
     await send(kafka_producer, topic, keyed(10), 1)
-    broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
-    idem = Idempotency(
-        store, broker=broker, scope=scope, key=KEY, backoff=(0.05, 0.1), max_attempts=1000
-    )
+    broker, idem = idempotent_broker(settings, store, scope, backoff=(0.05, 0.1), max_attempts=1000)
     router = KafkaRouter(middlewares=[idem])
     subscribe = router.subscriber(
         topic,
@@ -755,8 +744,7 @@ async def test_a_parser_outage_is_waited_out_not_dead_lettered(
             raise ConnectionError("schema registry unreachable")
         return await original(msg)
 
-    broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
-    idem = Idempotency(store, broker=broker, scope=scope, key=KEY, backoff=(0.05, 0.2))
+    broker, idem = idempotent_broker(settings, store, scope, backoff=(0.05, 0.2))
     plain_app(broker, idem, topic, group, is_batch, parser=parser)
     await run_until_committed(broker, kafka_admin, group, {0: 6}, 30)
     assert len(failures) == 4
@@ -801,8 +789,7 @@ async def test_the_batch_is_decoded_once_while_its_claim_runs_and_afresh_when_na
     afresh; when the decode ahead fails, the handler's call decodes again."""
     topic = await kafka_topic_factory("fsbd", partitions=1)
     group = unique("fsbg")
-    broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
-    idem = Idempotency(store, broker=broker, scope=scope, key=KEY, backoff=(0.05, 0.1))
+    broker, idem = idempotent_broker(settings, store, scope, backoff=(0.05, 0.1))
     router = KafkaRouter(middlewares=[idem])
     claiming: list[bool] = []  # a batch's claim is in flight
     claim_many = store.fast_path.claim_many
@@ -894,8 +881,7 @@ async def test_the_outboxes_and_an_inner_middleware_s_bodies_belong_to_the_recor
     topic = await kafka_topic_factory("fsbo", partitions=1)
     announced = await kafka_topic_factory("fsboout")
     group = unique("fsbg")
-    broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
-    idem = Idempotency(store, broker=broker, scope=scope, key=KEY, backoff=(0.05, 0.1))
+    broker, idem = idempotent_broker(settings, store, scope, backoff=(0.05, 0.1))
     router = KafkaRouter(middlewares=[idem, _Upcaster])
     handled: list[list[dict[str, Any]]] = []
 
