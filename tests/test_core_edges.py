@@ -34,7 +34,7 @@ from consumer_idem import (
     run_transactional,
     run_two_phase,
 )
-from consumer_idem.commit import savepoint
+from consumer_idem.commit import new_mark, savepoint
 from consumer_idem.errors import SchemaMissing, StoreUnavailable
 from consumer_idem.notice import make_notice
 from consumer_idem.stores.postgres.errors import kind_of
@@ -587,6 +587,14 @@ async def test_a_handler_that_rolls_back_and_begins_again_commits_nothing_as_don
         verdicts[-1].error
     )
     assert await rows(pg_pool, scope) == {}
+
+
+def test_every_transaction_gets_a_mark_of_its_own() -> None:
+    # a mark repeated on a connection would let a transaction the handler began pass the
+    # check of an earlier one; and it is put into SQL text, so hex only
+    marks = [new_mark() for _ in range(10_000)]
+    assert len(set(marks)) == len(marks)
+    assert all(m and set(m) <= set("0123456789abcdef") for m in marks)
 
 
 async def test_a_batch_handler_that_rolls_back_and_begins_again_is_never_acked(
