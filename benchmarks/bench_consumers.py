@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import aio_pika
@@ -124,9 +124,21 @@ async def idempotent_kafka(
     return await timed(runner, count)
 
 
-async def plain_kafka_per_partition(pool: asyncpg.Pool, topic: str, count: int) -> float:
+async def plain_unit(conn: asyncpg.Connection, record: Any) -> None:
+    """The plain consumer's unit: the demo effect, in a transaction of its own."""
+    async with conn.transaction():
+        await record_payment(to_message(record), conn)
+
+
+async def plain_kafka_per_partition(
+    pool: asyncpg.Pool,
+    topic: str,
+    count: int,
+    unit: Callable[[asyncpg.Connection, Any], Awaitable[None]] = plain_unit,
+) -> float:
     """Plain aiokafka, one message per transaction, with the runner's concurrency: one worker
-    per partition (all at once), an offset commit after every 50 records."""
+    per partition (all at once), an offset commit after every 50 records. ``unit``: what runs
+    for each record (``benchmarks.p8_floor`` passes a hand-written idempotent one)."""
     consumer = AIOKafkaConsumer(
         topic,
         bootstrap_servers=load_settings().kafka_bootstrap,
@@ -144,8 +156,7 @@ async def plain_kafka_per_partition(pool: asyncpg.Pool, topic: str, count: int) 
             records = await queue.get()
             async with pool.acquire() as conn:  # one connection per chunk, like the runner
                 for record in records:
-                    async with conn.transaction():
-                        await record_payment(to_message(record), conn)
+                    await unit(conn, record)
                     clock.tick()
             await consumer.commit({tp: records[-1].offset + 1})
 
