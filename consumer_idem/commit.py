@@ -75,11 +75,12 @@ class Rider:
 MARK_SETTING = "consumer_idem.tx"
 
 
-#: Marks only need to differ from one transaction to the next on a connection: they catch a
-#: handler's own COMMIT or ROLLBACK, not an adversary (handler code runs in this process anyway).
-#: A random prefix per process and a counter, instead of a random draw each time: the draw was a
-#: system call per transaction, about 2% of a consumer's CPU with one message per transaction.
-_MARK_PREFIX = secrets.token_hex(4)
+#: Marks must differ from one transaction to the next on a connection, also across processes (a
+#: pooler may hand a server connection on without resetting its session settings): they catch a
+#: handler's own COMMIT or ROLLBACK, not an adversary. So a 64-bit random prefix per process and
+#: a counter, instead of a random draw each time: the draw was a system call per transaction,
+#: about 2% of a consumer's CPU with one message per transaction.
+_MARK_PREFIX = secrets.token_hex(8)
 _marks = itertools.count(1)
 
 
