@@ -24,6 +24,7 @@ import os
 import statistics
 import sys
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -71,37 +72,36 @@ async def main(rounds: int) -> None:
         await admin.start()
         topic = f"bench-floor-{run_id}"
         await admin.create_topics([NewTopic(topic, 8, 1)])
-        names = ["plain", "least", "library"]
-        windows = {name: CpuWindow(database, [os.getpid()]) for name in names}
-        spent: dict[str, dict[str, float]] = {name: {} for name in names}
+        runs: dict[str, Callable[[], Awaitable[float]]] = {
+            "plain": lambda: plain_kafka_per_partition(pool, topic, P8),
+            # a new scope each run: every key is new
+            "least": lambda: plain_kafka_per_partition(
+                pool, topic, P8, least_unit(uuid.uuid4().hex[:8])
+            ),
+            "library": lambda: idempotent_kafka(store, topic, batch=False, count=P8),
+        }
+        names = list(runs)
+        spent: dict[str, Counter[str]] = {name: Counter() for name in names}
 
-        def side(name: str) -> Callable[[], Awaitable[float]]:
+        def measured(name: str) -> Callable[[], Awaitable[float]]:
             async def run() -> float:
-                if name == "plain":
-                    return await plain_kafka_per_partition(pool, topic, P8)
-                if name == "least":
-                    unit = least_unit(uuid.uuid4().hex[:8])  # a new scope: every key is new
-                    return await plain_kafka_per_partition(pool, topic, P8, unit)
-                return await idempotent_kafka(store, topic, batch=False, count=P8)
-
-            async def measured() -> float:
-                window = windows[name]
+                window = CpuWindow(database, [os.getpid()])
                 window.start()
-                rate = await run()
+                rate = await runs[name]()
                 window.stop()
-                for group, cpu in window.spent.items():
-                    spent[name][group] = spent[name].get(group, 0.0) + cpu
+                spent[name].update(window.spent)
                 return rate
 
-            return measured
+            return run
 
         try:
             await send_kafka(plan(P8, 0.0, 2, run_id), topic)
             await settle()
-            sides = [side(name) for name in names]
+            sides = [measured(name) for name in names]
             for run in sides:  # not counted: the first reads of a new topic cost more
                 await run()
-            spent = {name: {} for name in names}
+            for counter in spent.values():
+                counter.clear()
             rates = await rotated(rounds, sides)
         finally:
             await admin.delete_topics([topic])
