@@ -76,7 +76,7 @@ from consumer_idem.errors import (
     PoisonMessage,
 )
 from consumer_idem.execution import Attempt
-from consumer_idem.faststream import batch
+from consumer_idem.faststream import batch, startup
 from consumer_idem.faststream.batch import (
     CurrentIdempotencyBatch as CurrentIdempotencyBatch,
 )
@@ -619,6 +619,7 @@ class Idempotency:
         self.stats = RunnerStats()
         self.transport = self._transport_for(broker)
         self._batch_consumer: IdempotentConsumer | None = None
+        startup.guard_start(self, broker)  # unsafe subscribers refused before any fetch
 
     def _build(self, store: PostgresStore) -> IdempotentConsumer:
         attach_dispatcher(store, self, [self.scope])  # the outbox goes out through the broker
