@@ -13,6 +13,7 @@ from consumer_idem.consumer import (
     Verdict,
     idempotent_consumer,
 )
+from consumer_idem.downstream import downstream_key_for
 from consumer_idem.errors import (
     Ambiguous,
     CommitRolledBack,
@@ -150,6 +151,7 @@ __all__ = [
     "amqp_message_id",
     "canonical_json",
     "cloudevents",
+    "downstream_key_for",
     "fingerprint_bytes",
     "fingerprint_json",
     "fingerprint_payload",

@@ -60,6 +60,13 @@ stored as a success.
 
 from __future__ import annotations
 
+from consumer_idem.extras import missing
+
+try:
+    import starlette  # noqa: F401 - the http extra
+except ImportError as exc:
+    raise missing("http", exc, __name__) from exc
+
 import asyncio
 import contextlib
 import errno
@@ -70,7 +77,6 @@ import math
 import re
 import socket
 import time
-import uuid
 import warnings
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
@@ -86,12 +92,12 @@ from starlette.types import ASGIApp as StarletteASGIApp
 
 from consumer_idem import http_refusal, tracing
 from consumer_idem.claim import (
-    Attempt,
     TransactionalClaim,
     TwoPhaseClaim,
     is_lock_timeout,
     waiters_for,
 )
+from consumer_idem.downstream import downstream_key_for as downstream_key_for
 from consumer_idem.errors import (
     CommitRolledBack,
     ConfigurationError,
@@ -416,12 +422,6 @@ def _callers_label(value: str) -> str:
 def _principal_label(identity: str) -> str:
     """An authenticated principal's label: ``u.`` and its identity's :func:`_caller_label`."""
     return _PRINCIPAL + _caller_label(identity)
-
-
-def downstream_key_for(scope: str, key: str) -> str:
-    """The two-phase ``downstream_key`` of (scope, key): the same on every attempt, and for a
-    run fail-open let through unprotected."""
-    return Attempt(scope, key, uuid.UUID(int=0), 0).downstream_key
 
 
 @dataclass

@@ -48,6 +48,13 @@ consumer per worker, each partition on one of them) is accepted.
 
 from __future__ import annotations
 
+from consumer_idem.extras import missing
+
+try:
+    import faststream  # noqa: F401 - the faststream extra
+except ImportError as exc:
+    raise missing("faststream", exc, __name__) from exc
+
 import asyncio
 import base64
 import copy

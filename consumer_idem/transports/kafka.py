@@ -25,6 +25,13 @@
 
 from __future__ import annotations
 
+from consumer_idem.extras import missing
+
+try:
+    import aiokafka  # noqa: F401 - the kafka extra
+except ImportError as exc:
+    raise missing("kafka", exc, __name__) from exc
+
 import asyncio
 import contextlib
 import logging

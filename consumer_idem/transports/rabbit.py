@@ -30,6 +30,13 @@
 
 from __future__ import annotations
 
+from consumer_idem.extras import missing
+
+try:
+    import aio_pika  # the rabbit extra
+except ImportError as exc:
+    raise missing("rabbit", exc, __name__) from exc
+
 import asyncio
 import contextlib
 import logging
@@ -39,7 +46,6 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-import aio_pika
 import aiormq
 from aio_pika.abc import (
     AbstractIncomingMessage,
