@@ -42,6 +42,7 @@ from consumer_idem.errors import (
     WebhookVerificationError,
 )
 from consumer_idem.execution import Attempt, run_transactional, run_two_phase
+from consumer_idem.extras import MissingExtra
 from consumer_idem.fingerprint import (
     canonical_json,
     fingerprint_bytes,
@@ -113,6 +114,7 @@ __all__ = [
     "KeyPage",
     "LeaseLost",
     "Metrics",
+    "MissingExtra",
     "NoOutbox",
     "NotExecuted",
     "NotInTransaction",

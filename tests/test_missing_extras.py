@@ -49,8 +49,7 @@ def test_an_integration_without_its_extra_names_the_install_that_fixes_it(
 def test_downstream_key_for_needs_no_starlette() -> None:
     ran = python_without(
         "starlette",
-        "from consumer_idem import downstream_key_for\n"
-        "print(downstream_key_for('payments', 'k1'))",
+        "from consumer_idem import downstream_key_for\nprint(downstream_key_for('payments', 'k1'))",
     )
     assert ran.returncode == 0, ran.stderr
     from consumer_idem.http import downstream_key_for as old_path
