@@ -133,3 +133,20 @@ async def test_a_rabbitmq_app_with_the_default_ack_policy_does_not_start_and_los
     finally:
         await declared.delete(if_unused=False, if_empty=False)
         await channel.close()
+
+
+async def test_under_a_test_broker_a_subscriber_without_manual_acks_is_refused_unrun(
+    store: PostgresStore, scope: str, pg_pool: asyncpg.Pool, effects: None
+) -> None:
+    """FastStream's test brokers do not run ``broker.start()``: the first message is refused
+    instead, so the mistake shows in the app's own tests, not only in production."""
+    from faststream.rabbit import TestRabbitBroker
+
+    broker = RabbitBroker()
+    router = RabbitRouter(middlewares=[Idempotency(store, broker=broker, scope=scope, key=KEY)])
+    router.subscriber("in")(record)  # REJECT_ON_ERROR, the RabbitMQ default
+    broker.include_router(router)
+    async with TestRabbitBroker(broker):
+        with pytest.raises(IdempotencyConfigError, match=REFUSAL):
+            await broker.publish({"n": 1}, "in", headers={"idempotency-key": "k1"})
+    assert await effect_count(pg_pool, scope) == 0

@@ -896,6 +896,9 @@ class _Middleware(BaseMiddleware):
         idem = self.idem
         self.subscriber = self.context.get("handler_")
         idem.transport.check(self.subscriber)
+        unsafe = startup.unsafe_ack_policy(self.subscriber)  # a test broker skips start()
+        if unsafe is not None:
+            raise IdempotencyConfigError(unsafe)
         if msg.committed is not None:
             raise IdempotencyConfigError(
                 "the delivery was acknowledged before the handler ran (AckPolicy.ACK_FIRST, "
