@@ -72,6 +72,22 @@ def project(tmp_path: Path) -> tuple[Path, Path]:
     return home, bin_dir / "consumer-idem"
 
 
+async def start_cli(
+    script: Path, home: Path, env: dict[str, str], *args: str
+) -> asyncio.subprocess.Process:
+    """``consumer-idem ARGS`` run from ``home``, the user's project directory."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(script),
+        *args,
+        cwd=home,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
 def environment(pg_dsn: str, scope: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(UNREACHABLE)
@@ -98,9 +114,10 @@ async def test_replay_loads_the_handler_from_the_current_directory_and_takes_the
     for n in range(3):
         await kafka_producer.send(dlq, b'{"n": %d}' % n, headers=[("idempotency-key", b"k%d" % n)])
     await kafka_producer.flush()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(script),
+    proc = await start_cli(
+        script,
+        home,
+        environment(pg_dsn, scope),
         "replay",
         "--transport",
         "kafka",
@@ -111,11 +128,6 @@ async def test_replay_loads_the_handler_from_the_current_directory_and_takes_the
         "--bootstrap-servers",
         settings.kafka_bootstrap,
         "--json",
-        cwd=home,
-        env=environment(pg_dsn, scope),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(proc.communicate(), 120)
     assert proc.returncode == 0, err.decode()
@@ -132,9 +144,10 @@ async def test_reconcile_loads_resolver_and_local_writes_from_the_current_direct
     await store.mark_unknown(scope, "pay-1", reserved.token, "gateway timeout")
     source = unique("shop.reconcile")
     settings = Settings()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(script),
+    proc = await start_cli(
+        script,
+        home,
+        environment(pg_dsn, scope),
         "reconcile",
         "--transport",
         "rabbit",
@@ -148,11 +161,6 @@ async def test_reconcile_loads_resolver_and_local_writes_from_the_current_direct
         settings.amqp_url,
         "--sweep-interval",
         "0.5",
-        cwd=home,
-        env=environment(pg_dsn, scope),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
     )
     record: Any = None
     try:

@@ -40,6 +40,19 @@ async def refused(app: FastStream) -> None:
         await asyncio.wait_for(app.run(), 30)
 
 
+async def consume_three(broker: Any, idem: Idempotency) -> None:
+    """Run the corrected app until it has processed the three messages."""
+    await broker.start()
+    try:
+
+        async def all_done() -> bool:
+            return idem.stats.processed >= 3
+
+        await wait_until(all_done, 60, "the three messages to be processed")
+    finally:
+        await broker.stop()
+
+
 async def test_a_kafka_app_with_the_default_ack_policy_does_not_start_and_loses_nothing(
     settings: Settings,
     store: PostgresStore,
@@ -72,15 +85,7 @@ async def test_a_kafka_app_with_the_default_ack_policy_does_not_start_and_loses_
     assert await kafka_admin.list_consumer_group_offsets(group) == {}  # nothing committed
 
     _, broker, idem = app(AckPolicy.MANUAL)
-    await broker.start()
-    try:
-
-        async def all_done() -> bool:
-            return idem.stats.processed >= 3
-
-        await wait_until(all_done, 60, "the three records to be processed")
-    finally:
-        await broker.stop()
+    await consume_three(broker, idem)
     assert await effect_count(pg_pool, scope) == 3
 
 
@@ -120,15 +125,7 @@ async def test_a_rabbitmq_app_with_the_default_ack_policy_does_not_start_and_los
         assert passive.declaration_result.message_count == 3  # all still there, unconsumed
 
         _, broker, idem = app(AckPolicy.MANUAL)
-        await broker.start()
-        try:
-
-            async def all_done() -> bool:
-                return idem.stats.processed >= 3
-
-            await wait_until(all_done, 60, "the three messages to be processed")
-        finally:
-            await broker.stop()
+        await consume_three(broker, idem)
         assert await effect_count(pg_pool, scope) == 3
     finally:
         await declared.delete(if_unused=False, if_empty=False)
