@@ -13,6 +13,7 @@ from consumer_idem.consumer import (
     Verdict,
     idempotent_consumer,
 )
+from consumer_idem.downstream import downstream_key_for
 from consumer_idem.errors import (
     Ambiguous,
     CommitRolledBack,
@@ -41,6 +42,7 @@ from consumer_idem.errors import (
     WebhookVerificationError,
 )
 from consumer_idem.execution import Attempt, run_transactional, run_two_phase
+from consumer_idem.extras import MissingExtra
 from consumer_idem.fingerprint import (
     canonical_json,
     fingerprint_bytes,
@@ -112,6 +114,7 @@ __all__ = [
     "KeyPage",
     "LeaseLost",
     "Metrics",
+    "MissingExtra",
     "NoOutbox",
     "NotExecuted",
     "NotInTransaction",
@@ -150,6 +153,7 @@ __all__ = [
     "amqp_message_id",
     "canonical_json",
     "cloudevents",
+    "downstream_key_for",
     "fingerprint_bytes",
     "fingerprint_json",
     "fingerprint_payload",

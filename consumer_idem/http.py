@@ -60,6 +60,13 @@ stored as a success.
 
 from __future__ import annotations
 
+from consumer_idem.extras import missing
+
+try:
+    import starlette  # noqa: F401 - the http extra
+except ImportError as exc:
+    raise missing("http", exc, __name__) from exc
+
 import asyncio
 import contextlib
 import errno
@@ -70,7 +77,6 @@ import math
 import re
 import socket
 import time
-import uuid
 import warnings
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
@@ -84,14 +90,14 @@ from starlette.requests import HTTPConnection
 from starlette.routing import Host, Match, Mount
 from starlette.types import ASGIApp as StarletteASGIApp
 
-from consumer_idem import tracing
+from consumer_idem import http_refusal, tracing
 from consumer_idem.claim import (
-    Attempt,
     TransactionalClaim,
     TwoPhaseClaim,
     is_lock_timeout,
     waiters_for,
 )
+from consumer_idem.downstream import downstream_key_for as downstream_key_for
 from consumer_idem.errors import (
     CommitRolledBack,
     ConfigurationError,
@@ -418,12 +424,6 @@ def _principal_label(identity: str) -> str:
     return _PRINCIPAL + _caller_label(identity)
 
 
-def downstream_key_for(scope: str, key: str) -> str:
-    """The two-phase ``downstream_key`` of (scope, key): the same on every attempt, and for a
-    run fail-open let through unprotected."""
-    return Attempt(scope, key, uuid.UUID(int=0), 0).downstream_key
-
-
 @dataclass
 class IdempotencyContext:
     """``request.state.idempotency`` inside an idempotent request."""
@@ -627,6 +627,33 @@ class _Request:
     settled: bool = False
 
 
+def _checked_setup(
+    app: Any, caller: Caller | None, shared_keys: bool, mode: str, wait: float, router: Any
+) -> Any:
+    """The router whose routes decide, or the :class:`ConfigurationError` of a set-up that
+    could not keep the middleware's promise."""
+    if caller is None and not shared_keys:
+        raise ConfigurationError(
+            "IdempotencyMiddleware cannot tell callers apart: pass caller=<fn(conn) -> str>"
+            " (a tenant, user or API key id), or shared_keys=True to accept that requests"
+            " without an authenticated scope['user'] share one key space"
+        )
+    if mode not in ("transactional", "two_phase"):
+        raise ConfigurationError(f"mode is 'transactional' or 'two_phase', not {mode!r}")
+    if wait < 0:
+        raise ConfigurationError("wait is a number of seconds, 0 or more")
+    routes_from = find_router(app if router is None else router)
+    if routes_from is None:
+        raise ConfigurationError(
+            f"IdempotencyMiddleware cannot find the routes of {app!r}: it wraps no Starlette"
+            " or FastAPI app it can see through (each middleware in between must keep the"
+            " app it wraps as `.app`), so it could not tell which requests to protect. Add"
+            " it with app.add_middleware(IdempotencyMiddleware, ...), or pass router=<the"
+            " Starlette/FastAPI app>"
+        )
+    return routes_from
+
+
 class IdempotencyMiddleware:
     """Wrap a Starlette/FastAPI app: ``app.add_middleware(IdempotencyMiddleware, store=store,
     caller=...)``.
@@ -644,6 +671,10 @@ class IdempotencyMiddleware:
     it wraps, or the one behind the middleware around it (followed through their ``.app``).
     When it cannot, it refuses to start (:class:`ConfigurationError`) rather than let every
     request through unprotected; ``router=`` names the app or router whose routes decide.
+
+    Refusing to start: a set-up that cannot keep these promises is kept as ``refusal`` and
+    fails the ASGI lifespan startup with its message (``consumer_idem.http_refusal``), so
+    ``uvicorn app:app`` exits at start-up in its default lifespan mode.
     """
 
     def __init__(
@@ -674,25 +705,13 @@ class IdempotencyMiddleware:
                 stacklevel=2,
             )
             caller = caller or tenant
-        if caller is None and not shared_keys:
-            raise ConfigurationError(
-                "IdempotencyMiddleware cannot tell callers apart: pass caller=<fn(conn) -> str>"
-                " (a tenant, user or API key id), or shared_keys=True to accept that requests"
-                " without an authenticated scope['user'] share one key space"
-            )
-        if mode not in ("transactional", "two_phase"):
-            raise ConfigurationError(f"mode is 'transactional' or 'two_phase', not {mode!r}")
-        if wait < 0:
-            raise ConfigurationError("wait is a number of seconds, 0 or more")
-        routes_from = find_router(app if router is None else router)
-        if routes_from is None:
-            raise ConfigurationError(
-                f"IdempotencyMiddleware cannot find the routes of {app!r}: it wraps no Starlette"
-                " or FastAPI app it can see through (each middleware in between must keep the"
-                " app it wraps as `.app`), so it could not tell which requests to protect. Add"
-                " it with app.add_middleware(IdempotencyMiddleware, ...), or pass router=<the"
-                " Starlette/FastAPI app>"
-            )
+        #: what is wrong with this set-up: the server refuses to start with it (a lifespan
+        #: startup that fails), as Starlette builds middlewares at start-up, not at import
+        self.refusal: ConfigurationError | None = None
+        try:
+            routes_from = _checked_setup(app, caller, shared_keys, mode, wait, router)
+        except ConfigurationError as exc:
+            self.refusal, routes_from = exc, None
         self.app: Any = app  # any ASGI app: a Starlette app, or middleware around one
         self.router = routes_from
         #: keys this middleware holds right now (claimed until settled, or bypassed), in this
@@ -791,6 +810,9 @@ class IdempotencyMiddleware:
         tracing.outcome(outcome)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.refusal is not None:
+            await http_refusal.refuse(self.refusal, scope, receive, send)
+            return
         if scope["type"] != "http" or scope["method"] not in self.methods:
             await self.app(scope, receive, send)
             return

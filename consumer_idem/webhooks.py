@@ -18,6 +18,13 @@ pass ``retention``.
 
 from __future__ import annotations
 
+from consumer_idem.extras import missing
+
+try:
+    import starlette  # noqa: F401 - the http extra
+except ImportError as exc:
+    raise missing("http", exc, __name__) from exc
+
 import base64
 import binascii
 import hashlib

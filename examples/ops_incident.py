@@ -36,11 +36,11 @@ from consumer_idem import (
     IdempotentConsumer,
     NotExecuted,
     PostgresStore,
+    downstream_key_for,
     header,
     idempotent_consumer,
 )
 from consumer_idem.cli.settings import load_settings
-from consumer_idem.http import downstream_key_for
 from consumer_idem.operations.reconcile import Answer, StillUnknown
 from consumer_idem.types import Record
 from handlers.gateway import DEFAULT_GATEWAY_URL, GatewayClient, charge_handler

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-import pytest
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
@@ -44,8 +43,10 @@ def client_for(app: Any) -> httpx.AsyncClient:
 
 
 def test_no_way_to_tell_callers_apart_refuses_to_start(store: PostgresStore) -> None:
-    with pytest.raises(ConfigurationError, match="caller"):
-        IdempotencyMiddleware(whoami_app([]), store=store)
+    """The refusal is kept for the server's start-up (see tests/test_http_startup_refusal.py)."""
+    middleware = IdempotencyMiddleware(whoami_app([]), store=store)
+    assert isinstance(middleware.refusal, ConfigurationError)
+    assert "caller=" in str(middleware.refusal)
 
 
 async def test_authenticated_principals_never_share_keys(store: PostgresStore, scope: str) -> None:

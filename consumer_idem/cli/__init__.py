@@ -1,9 +1,14 @@
 """``consumer-idem``: the operator's command line. Needs the ``cli`` extra (typer, rich)."""
 
+import os
 import sys
 
 
 def main() -> None:
+    # --handler/--resolver/--local-writes name the user's modules, as uvicorn's app does: the
+    # current directory comes first on the path (a console script only has its own directory)
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         from consumer_idem.cli.app import app
         from consumer_idem.cli.output import one_line

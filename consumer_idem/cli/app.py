@@ -25,6 +25,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from consumer_idem.cli.brokers import AmqpUrlOpt, BootstrapOpt, broker_settings
 from consumer_idem.cli.output import (
     CliError,
     ExitCode,
@@ -222,12 +223,19 @@ def transport_runner(
             processor,
             topics=[source],
             group_id=group,
+            bootstrap_servers=settings.kafka_bootstrap,
             reconcile_topic=source,
             dead_letter_topic=operator,
         )
     from consumer_idem.transports.rabbit import RabbitRunner
 
-    return RabbitRunner(processor, queue=source, reconcile_queue=source, dead_letter_queue=operator)
+    return RabbitRunner(
+        processor,
+        queue=source,
+        reconcile_queue=source,
+        dead_letter_queue=operator,
+        url=settings.amqp_url,
+    )
 
 
 def plural(n: int, thing: str) -> str:
@@ -481,6 +489,8 @@ def build_app() -> Any:
             str, typer.Option(help="reconciliation topic/queue")
         ] = "consumer_idem.reconcile",
         scope: ScopesOpt = None,
+        bootstrap_servers: BootstrapOpt = None,
+        amqp_url: AmqpUrlOpt = None,
         dsn: DsnOpt = None,
         schema: SchemaOpt = None,
         as_json: JsonOpt = False,
@@ -515,7 +525,7 @@ def build_app() -> Any:
                 runner = transport_runner(
                     transport,
                     Reconciler(store, never),
-                    load_settings(),
+                    broker_settings(bootstrap_servers, amqp_url),
                     source=source,
                     operator=f"{source}.operator",
                     group="consumer-idem-sweep",
@@ -641,6 +651,8 @@ def build_app() -> Any:
                 "commits with the resolution (repeatable)",
             ),
         ] = None,
+        bootstrap_servers: BootstrapOpt = None,
+        amqp_url: AmqpUrlOpt = None,
         dsn: DsnOpt = None,
         schema: SchemaOpt = None,
         as_json: JsonOpt = False,
@@ -676,7 +688,7 @@ def build_app() -> Any:
                 runner = transport_runner(
                     transport,
                     reconciler,
-                    load_settings(),
+                    broker_settings(bootstrap_servers, amqp_url),
                     source=source,
                     operator=operator or f"{source}.operator",
                     group=group,
@@ -749,6 +761,8 @@ def build_app() -> Any:
             bool, typer.Option("--dry-run", help="only count: change and log nothing")
         ] = False,
         rate: Annotated[float | None, typer.Option(help="messages per second at most")] = None,
+        bootstrap_servers: BootstrapOpt = None,
+        amqp_url: AmqpUrlOpt = None,
         dsn: DsnOpt = None,
         schema: SchemaOpt = None,
         as_json: JsonOpt = False,
@@ -759,7 +773,7 @@ def build_app() -> Any:
         exit 1 then, 130 if interrupted (a re-run resumes)."""
         from consumer_idem.operations import replay as replaying
 
-        settings = load_settings()
+        settings = broker_settings(bootstrap_servers, amqp_url)
         reporter = Reporter("dry run" if dry_run else "replay", interval=options.progress_interval)
 
         def show(report: replaying.ReplayReport) -> None:

@@ -48,6 +48,13 @@ consumer per worker, each partition on one of them) is accepted.
 
 from __future__ import annotations
 
+from consumer_idem.extras import missing
+
+try:
+    import faststream  # noqa: F401 - the faststream extra
+except ImportError as exc:
+    raise missing("faststream", exc, __name__) from exc
+
 import asyncio
 import base64
 import copy
@@ -76,7 +83,7 @@ from consumer_idem.errors import (
     PoisonMessage,
 )
 from consumer_idem.execution import Attempt
-from consumer_idem.faststream import batch
+from consumer_idem.faststream import batch, startup
 from consumer_idem.faststream.batch import (
     CurrentIdempotencyBatch as CurrentIdempotencyBatch,
 )
@@ -619,6 +626,7 @@ class Idempotency:
         self.stats = RunnerStats()
         self.transport = self._transport_for(broker)
         self._batch_consumer: IdempotentConsumer | None = None
+        startup.guard_start(self, broker)  # unsafe subscribers refused before any fetch
 
     def _build(self, store: PostgresStore) -> IdempotentConsumer:
         attach_dispatcher(store, self, [self.scope])  # the outbox goes out through the broker
@@ -888,6 +896,9 @@ class _Middleware(BaseMiddleware):
         idem = self.idem
         self.subscriber = self.context.get("handler_")
         idem.transport.check(self.subscriber)
+        unsafe = startup.unsafe_ack_policy(self.subscriber)  # a test broker skips start()
+        if unsafe is not None:
+            raise IdempotencyConfigError(unsafe)
         if msg.committed is not None:
             raise IdempotencyConfigError(
                 "the delivery was acknowledged before the handler ran (AckPolicy.ACK_FIRST, "

@@ -42,6 +42,13 @@ one pool for both) or on an asyncpg pool; a session binds to the unit's connecti
 
 from __future__ import annotations
 
+from consumer_idem.extras import missing
+
+try:
+    import sqlalchemy  # noqa: F401 - the sqlalchemy extra
+except ImportError as exc:
+    raise missing("sqlalchemy", exc, __name__) from exc
+
 import contextlib
 import functools
 import inspect

@@ -25,6 +25,13 @@
 
 from __future__ import annotations
 
+from consumer_idem.extras import missing
+
+try:
+    import aiokafka  # noqa: F401 - the kafka extra
+except ImportError as exc:
+    raise missing("kafka", exc, __name__) from exc
+
 import asyncio
 import contextlib
 import logging
@@ -67,7 +74,7 @@ from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import KEY_HEADER, SCOPE_HEADER, Notice
 from consumer_idem.outbox import HeldBack, OutboxService, OutgoingMessage
 from consumer_idem.stores.postgres.store import PostgresStore
-from consumer_idem.transports import settle
+from consumer_idem.transports import settle, start_failures
 from consumer_idem.transports.kafka_offsets import OffsetHook, PostgresOffsets
 from consumer_idem.transports.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats, Settled
 
@@ -350,14 +357,13 @@ class KafkaRunner:
 
     async def start(self) -> None:
         await settle.check_store(self.consumer.store)
-        await self._producer.start()
         try:
+            await self._producer.start()
             await self.outbox.start()
             self._kafka.subscribe(self.topics, listener=_Listener(self))
             await self._kafka.start()
-        except BaseException:
-            await self.outbox.stop()
-            await self._producer.stop()
+        except BaseException:  # close all it opened: the consumer too, even half-started
+            await start_failures.close_all(self._kafka.stop, self.outbox.stop, self._producer.stop)
             raise
         self._started = True
 

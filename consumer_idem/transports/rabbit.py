@@ -30,6 +30,13 @@
 
 from __future__ import annotations
 
+from consumer_idem.extras import missing
+
+try:
+    import aio_pika  # the rabbit extra
+except ImportError as exc:
+    raise missing("rabbit", exc, __name__) from exc
+
 import asyncio
 import contextlib
 import logging
@@ -39,7 +46,6 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-import aio_pika
 import aiormq
 from aio_pika.abc import (
     AbstractIncomingMessage,
@@ -64,7 +70,7 @@ from consumer_idem.notice import AMQP_PROPERTIES, KEY_HEADER, SCOPE_HEADER, Noti
 from consumer_idem.notice import ORIGINAL_QUEUE as ORIGINAL_QUEUE
 from consumer_idem.outbox import OutboxService, OutgoingMessage, send_all
 from consumer_idem.stores.postgres.store import PostgresStore
-from consumer_idem.transports import settle
+from consumer_idem.transports import settle, start_failures
 from consumer_idem.transports.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats, Settled
 
 log = logging.getLogger("consumer_idem.transports.rabbit")
@@ -455,8 +461,12 @@ class RabbitRunner:
         await settle.check_store(self.consumer.store)
         await self.open_publisher()
         assert self._queue is not None
-        await self.outbox.start()
-        self._tag = await self._queue.consume(self._on_message, no_ack=False)
+        try:
+            await self.outbox.start()
+            self._tag = await self._queue.consume(self._on_message, no_ack=False)
+        except BaseException:
+            await start_failures.close_all(self.outbox.stop, self.close_publisher)
+            raise
 
     async def close_publisher(self) -> None:
         if self._connection is not None:
@@ -466,6 +476,17 @@ class RabbitRunner:
     async def open_publisher(self) -> None:
         """Connect and declare, without consuming (notices, re-dispatch, a one-shot sweep)."""
         self._connection = await aio_pika.connect_robust(self.url)
+        try:
+            await self._open_channel()
+        except BaseException as exc:  # nothing stays open; a queue mismatch in one line
+            await start_failures.close_all(self.close_publisher)
+            mismatch = start_failures.queue_mismatch(exc, self.queue_arguments)
+            if mismatch is not None:
+                raise mismatch from None
+            raise
+
+    async def _open_channel(self) -> None:
+        assert self._connection is not None
         # confirms: a publish returns once the broker has it; on_return_raises: an unroutable
         # (mandatory) publish raises instead of returning as if it had been delivered
         channel = await self._connection.channel(publisher_confirms=True, on_return_raises=True)

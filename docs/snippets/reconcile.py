@@ -17,10 +17,10 @@ from consumer_idem import (
     PostgresStore,
     Record,
     Status,
+    downstream_key_for,
     fingerprint_bytes,
     run_two_phase,
 )
-from consumer_idem.http import downstream_key_for
 from consumer_idem.operations.reconcile import Answer, StillUnknown
 
 DSN = os.environ.get("CONSUMER_IDEM_PG_DSN", "postgresql://postgres:postgres@127.0.0.1/postgres")
