@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any
 
 import aio_pika
 import asyncpg
+import httpx
 import pytest
 
 from consumer_idem import PostgresStore
@@ -36,7 +38,7 @@ from examples.payments_producer import PARTITIONS, plan, send_kafka, send_rabbit
 from handlers.payments import ensure_tables
 from tests._failover import FailoverPair
 from tests._payments import ledger_count
-from tests.conftest import with_database
+from tests.conftest import free_port, with_database
 from tests.test_chaos_postgres import (
     TERMINATE_ALL,
     Consumer,
@@ -47,6 +49,7 @@ from tests.test_chaos_postgres import (
     rabbit_transport,
     resilient,
 )
+from tests.test_payments_api import SECRET, charges, serve
 
 COUNT = 1200
 DUPLICATE_RATE = 0.1
@@ -342,6 +345,89 @@ async def test_behind_pgbouncer_in_transaction_mode_a_sigkilled_consumer_restart
             + ", ".join(f"{s:.2f}s" for s in resumes)
             + " from each restart"
         )
+
+
+@pytest.mark.timeout(120)
+async def test_the_payments_api_behind_pgbouncer_charges_once_and_a_duplicate_waits_for_the_first(
+    own_database: str, pgbouncer_dsn: str
+) -> None:
+    """The HTTP example with its store through PgBouncer (transaction mode): concurrent
+    duplicates charge once, and a duplicate that arrives while the first request is still
+    charging waits for it and replays its response (``wait``: no 409, no second charge)."""
+    through_pooler = with_database(pgbouncer_dsn, database_of(own_database))
+    pool = await asyncpg.create_pool(own_database, min_size=1, max_size=2)
+    assert pool is not None
+    await PostgresStore(pool).migrate()  # the deployment's migration step, straight to 5432
+    api_port, gateway_port = free_port(), free_port()
+    api, gateway = f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{gateway_port}"
+    servers = [
+        await serve(
+            "examples.fake_gateway:app",
+            gateway_port,
+            {"GATEWAY_WEBHOOK_URL": f"{api}/webhooks/gateway", "GATEWAY_WEBHOOK_SECRET": SECRET},
+        )
+    ]
+    try:
+        servers.append(
+            await serve(
+                "examples.payments_api:app",
+                api_port,
+                {
+                    "CONSUMER_IDEM_PG_DSN": through_pooler,
+                    "GATEWAY_URL": gateway,
+                    "GATEWAY_WEBHOOK_SECRET": SECRET,
+                },
+            )
+        )
+        keys = [f"k-{uuid.uuid4().hex}" for _ in range(30)]
+        body = {"customer_id": "c-1", "amount_cents": 1000, "currency": "EUR"}
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(base_url=api, limits=limits, timeout=30) as client:
+
+            async def post(key: str) -> httpx.Response:
+                return await client.post("/payments", json=body, headers={"Idempotency-Key": key})
+
+            # 1. every key three times at once (five keys at a time: a loaded stand-in gateway
+            # that times out would make the outcome unknown, which is not this test's subject):
+            # each charged once, every copy answered with its 201
+            responses = []
+            for i in range(0, len(keys), 5):
+                responses += await asyncio.gather(
+                    *(post(key) for key in keys[i : i + 5] for _ in range(3))
+                )
+            statuses = Counter(r.status_code for r in responses)
+            assert statuses == {201: 3 * len(keys)}, statuses
+            for i, key in enumerate(keys):
+                assert len({r.content for r in responses[3 * i : 3 * i + 3]}) == 1, key
+            assert await charges(gateway) == len(keys)
+
+            # 2. a duplicate arriving while the first one is still charging waits for it
+            await client.post(f"{gateway}/_faults", json={"slow_charge_ms": 1500})
+            key = f"k-{uuid.uuid4().hex}"
+            first = asyncio.create_task(post(key))
+            first_answered: list[float] = []
+            first.add_done_callback(lambda _: first_answered.append(time.monotonic()))
+            await asyncio.sleep(0.4)
+            assert not first.done()
+            duplicate = await post(key)
+            duplicate_answered = time.monotonic()
+            answer = await first
+            assert answer.status_code == 201, answer.text
+            assert duplicate.status_code == 201, duplicate.text
+            assert duplicate.headers.get("idempotent-replayed") == "true"
+            assert duplicate.content == answer.content
+            assert await charges(gateway) == len(keys) + 1
+        rows = await pool.fetchval("SELECT count(*) FROM api_payments")
+        assert rows == len(keys) + 1
+        lag = duplicate_answered - first_answered[0]
+        print(
+            f"\n[http] behind PgBouncer: the waiting duplicate answered {lag:+.3f}s after the first"
+        )
+    finally:
+        for proc in servers:
+            proc.kill()
+            await proc.wait()
+        await pool.close()
 
 
 # --- 3. a real fail-over ----------------------------------------------------------------------
