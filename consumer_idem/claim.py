@@ -72,7 +72,7 @@ from consumer_idem.errors import (
 )
 from consumer_idem.outbox import UnitOutbox, close_units, committed, open_unit
 from consumer_idem.stores.base import Store
-from consumer_idem.stores.postgres.errors import is_database_outage
+from consumer_idem.stores.postgres.errors import is_database_outage, wrong_node
 from consumer_idem.stores.postgres.migrate import per_schema_name
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.stores.results import encode_result
@@ -185,8 +185,12 @@ async def _commit(store: PostgresStore, conn: Any, scope: str, commit: Awaitable
         )
         raise _Refused(str(aborted)) from aborted
     except asyncpg.PostgresError as exc:
-        if isinstance(exc, asyncpg.PostgresConnectionError) or conn.is_closed():
-            raise store.error_for("commit", exc, scope) from exc
+        if (
+            isinstance(exc, asyncpg.PostgresConnectionError)
+            or conn.is_closed()
+            or wrong_node(exc)  # a server that cannot take writes: nothing of the work's doing
+        ):
+            raise store.error_for("commit", exc, scope, conn) from exc
         raise _Refused(str(exc)) from exc
     except Exception as exc:
         # The commit may or may not have reached the server; both outcomes are atomic
@@ -396,7 +400,9 @@ class TransactionalClaim:
                 refused,
                 extra={"scope": scope, "key": key},
             )
-            return await self.fail(refused.__cause__ or refused, _our_commit=True)
+            # a check a handler deallocated is the work's doing, not a pooler's: never an outage
+            cause = refused if gone else (refused.__cause__ or refused)
+            return await self.fail(cause, _our_commit=True)
         if store.cache is not None:  # committed: safe to cache
             cached = record or store.fast_path.completed_record(
                 scope, key, self.fingerprint, encoded, self.retention
@@ -517,7 +523,7 @@ class TransactionalClaim:
             # the work's own statement met an outage or a transient refusal (lock timeout,
             # statement timeout, deadlock, serialization failure, a dropped connection): nothing
             # committed and no handler bug: wait for the store, without spending an attempt
-            raise store.error_for("handler statement", exc, scope) from exc
+            raise store.error_for("handler statement", exc, scope, conn) from exc
         if self.domain_errors and isinstance(exc, DomainError):
             self.outcome = await self._domain_error(exc)
             return self.outcome

@@ -2,8 +2,8 @@
 
 Every write after a reservation is conditional on the owner token (fencing), and every database
 failure surfaces as a library error so that no caller proceeds unprotected: an outage as
-:class:`StoreUnavailable` (wait it out), a missing schema as :class:`SchemaMissing`, data the
-database refuses as :class:`StoreRejected` (see ``pg_errors``).
+:class:`StoreUnavailable` (wait it out), a missing schema as :class:`SchemaMissing`, and only
+what the message's data caused as :class:`StoreRejected` (see ``pg_errors``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from consumer_idem.stores.postgres.maintenance import Maintenance
 from consumer_idem.stores.postgres.outbox import Outbox
 from consumer_idem.stores.postgres.reconciliation import Reconciliation
 from consumer_idem.stores.postgres.redispatch import RedispatchOutbox
+from consumer_idem.stores.postgres.wrong_node import WrongNode
 from consumer_idem.stores.results import encode_result
 from consumer_idem.types import (
     Decision,
@@ -112,6 +113,8 @@ class PostgresStore(StoreBase):
         self._reserve_sql = (
             f'SELECT decision, zombie, rec FROM "{self.schema}".reserve($1, $2, $3, $4, $5, $6)'
         )
+        #: episodes of a server that cannot take writes (read-only, in recovery)
+        self.wrong_node = WrongNode()
         self.fast_path = FastPath(self)
         self.reconciliation = Reconciliation(self)
         self.redispatch = RedispatchOutbox(self)
@@ -139,12 +142,20 @@ class PostgresStore(StoreBase):
             except Exception:  # releasing a broken connection must not mask the real error
                 log.debug("releasing a connection failed", exc_info=True)
 
-    def error_for(self, operation: str, exc: BaseException, scope: str = "") -> ConsumerIdemError:
+    def error_for(
+        self, operation: str, exc: BaseException, scope: str = "", conn: Any = None
+    ) -> ConsumerIdemError:
         """The library error for a failed store operation: :class:`StoreUnavailable` for an
-        outage, :class:`SchemaMissing` or :class:`StoreRejected` for what waiting cannot fix."""
+        outage, :class:`SchemaMissing` or :class:`StoreRejected` for what the data caused
+        (see ``pg_errors``). ``conn``: the connection it failed on, closed when the server
+        cannot take writes (see :class:`WrongNode`)."""
         kind = pg_errors.kind_of(exc)
         self.metrics.inc("store_error", scope)
-        log.warning(
+        wrong_node = pg_errors.wrong_node(exc)
+        if wrong_node:  # said once per episode, not once per message
+            self.wrong_node.seen(exc, conn)
+        log.log(
+            logging.DEBUG if wrong_node else logging.WARNING,
             "store %s failed (%s): %s: %s",
             operation,
             kind.__name__,
@@ -169,13 +180,14 @@ class PostgresStore(StoreBase):
         """Run ``call`` on ``conn`` or a pooled connection, timed, with every database failure
         turned into the library's error for it (the store's parts all go through here)."""
         started = time.perf_counter()
+        c: Any = None
         try:
             async with self.connection(conn) as c:
                 return await call(c)
         except ConsumerIdemError:
             raise
         except Exception as exc:  # any database failure means: do not proceed
-            raise self.error_for(operation, exc, scope) from exc
+            raise self.error_for(operation, exc, scope, c) from exc
         finally:
             self.metrics.observe(operation, time.perf_counter() - started)
 
