@@ -71,6 +71,7 @@ from consumer_idem.stores.postgres.maintenance import (
     StoreStats,
     SweepReport,
 )
+from consumer_idem.stores.postgres.pooler import Pooler, create_pool
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.stores.redis import RedisStore
 from consumer_idem.transports.settle import RunnerStats
@@ -121,6 +122,7 @@ __all__ = [
     "Outcome",
     "OutcomeKind",
     "PoisonMessage",
+    "Pooler",
     "PostgresStore",
     "PrunePolicy",
     "PruneReport",
@@ -150,6 +152,7 @@ __all__ = [
     "amqp_message_id",
     "canonical_json",
     "cloudevents",
+    "create_pool",
     "fingerprint_bytes",
     "fingerprint_json",
     "fingerprint_payload",

@@ -898,11 +898,19 @@ class CompletionWaiters:
     record again, so a settlement between the check and the wait is not missed. Settlements
     notify only where waiting is enabled (a NOTIFY makes commits queue on a lock for a moment),
     so a waiter also re-checks now and then.
+
+    Behind a transaction pooler (``pooler="transaction"``) nobody listens: a LISTEN needs one
+    server connection for as long as it lasts. Waiters then only re-check, more often
+    (:attr:`poll_cap`).
     """
 
     def __init__(self, store: PostgresStore) -> None:
         self.store = store
         self.channel = _channel(store)
+        #: whether settlements wake waiters (LISTEN), or waiters only poll
+        self.listening = store.pooler != "transaction"
+        #: the longest pause between two re-checks of a waiter (seconds)
+        self.poll_cap = 2.0 if self.listening else 0.2
         self._events: dict[str, set[asyncio.Event]] = {}
         self._conn: Any = None
         self._users = 0
@@ -916,8 +924,9 @@ class CompletionWaiters:
         self._events.setdefault(digest, set()).add(event)
         listening = False
         try:
-            await self._listen()
-            listening = True
+            if self.listening:
+                await self._listen()
+                listening = True
             yield event
         finally:
             events = self._events.get(digest)

@@ -33,6 +33,7 @@ from consumer_idem.stores.postgres import migrate
 from consumer_idem.stores.postgres.fast_path import FastPath
 from consumer_idem.stores.postgres.maintenance import Maintenance
 from consumer_idem.stores.postgres.outbox import Outbox
+from consumer_idem.stores.postgres.pooler import Pooler, check_pool, validate_pooler
 from consumer_idem.stores.postgres.reconciliation import Reconciliation
 from consumer_idem.stores.postgres.redispatch import RedispatchOutbox
 from consumer_idem.stores.postgres.wrong_node import WrongNode
@@ -85,6 +86,10 @@ class PostgresStore(StoreBase):
     (:class:`Outbox`, the transactional outbox: messages handlers publish through
     ``outbox_for(conn)``) and ``maintenance`` (:class:`Maintenance`: sweep, prune, stats and the
     key listing, with typed reports).
+
+    ``pooler="transaction"``: the pool reaches PostgreSQL through a transaction pooler
+    (PgBouncer ``pool_mode=transaction``, most managed providers' pooled ports); create it with
+    ``statement_cache_size=0`` (:func:`~consumer_idem.stores.postgres.pooler.create_pool`).
     """
 
     def __init__(
@@ -98,11 +103,15 @@ class PostgresStore(StoreBase):
         hash_invalid_keys: bool = False,
         command_timeout: float = 30.0,
         cache: CompletedCache | None = None,
+        pooler: Pooler = None,
     ) -> None:
         super().__init__(
             lease=lease, retention=retention, metrics=metrics, hash_invalid_keys=hash_invalid_keys
         )
         self.pool = pool
+        #: ``"transaction"``: behind a transaction pooler, nothing lives on a server connection
+        #: across transactions (see ``consumer_idem.stores.postgres.pooler``)
+        self.pooler = validate_pooler(pooler)
         #: optional Redis cache of completed records (Postgres stays the authority)
         self.cache = cache
         self.schema = migrate.validate_schema(schema)
@@ -194,8 +203,18 @@ class PostgresStore(StoreBase):
     # --- schema --------------------------------------------------------------------------------
 
     async def migrate(self) -> list[int]:
-        """Create or upgrade the schema; safe when several processes run it at once."""
-        return await self.run("migrate", "", None, lambda c: migrate.apply(c, self.schema))
+        """Create or upgrade the schema; safe when several processes run it at once (one
+        transaction: it goes through a transaction pooler too)."""
+
+        async def apply(c: Any) -> list[int]:
+            await self._check_pool(c)
+            return await migrate.apply(c, self.schema)
+
+        return await self.run("migrate", "", None, apply)
+
+    async def _check_pool(self, conn: Any) -> None:
+        if self.pooler == "transaction":
+            await check_pool(conn)
 
     async def check_schema(self) -> None:
         """Fail fast at start-up: raise :class:`SchemaMissing` (naming the command that fixes it)
@@ -203,7 +222,13 @@ class PostgresStore(StoreBase):
         the database cannot be reached. Runners call it before consuming."""
         wanted = max(m.version for m in migrate.available())
         sql = f'SELECT coalesce(max(version), 0) FROM "{self.schema}".schema_migrations'
-        version = await self.run("check_schema", "", None, lambda c: c.fetchval(sql))
+
+        async def check(c: Any) -> int:
+            await self._check_pool(c)
+            found: int = await c.fetchval(sql)
+            return found
+
+        version = await self.run("check_schema", "", None, check)
         if version < wanted:
             raise SchemaMissing(
                 f"the idempotency schema {self.schema!r} is at version {version}, this library "
