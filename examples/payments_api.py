@@ -31,7 +31,15 @@ from fastapi import FastAPI, Header, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from consumer_idem import DomainError, Executed, NotExecuted, PostgresStore, Retryable, Status
+from consumer_idem import (
+    DomainError,
+    Executed,
+    NotExecuted,
+    PostgresStore,
+    Retryable,
+    Status,
+    create_pool,
+)
 from consumer_idem.cli.settings import load_settings
 from consumer_idem.http import IdempotencyMiddleware, idempotent
 from consumer_idem.types import StoredResponse
@@ -92,8 +100,14 @@ def create_app(store: PostgresStore | None = None, gateway_url: str | None = Non
         pool = None
         if holder["store"] is None:
             settings = load_settings()
-            pool = await asyncpg.create_pool(settings.pg_dsn, min_size=2, max_size=20)
-            holder["store"] = PostgresStore(pool, schema=settings.schema_name)
+            # behind a transaction pooler (CONSUMER_IDEM_PG_POOLER=transaction): no LISTEN,
+            # no statement cache
+            pool = await create_pool(
+                settings.pg_dsn, pooler=settings.pg_pooler, min_size=2, max_size=20
+            )
+            holder["store"] = PostgresStore(
+                pool, schema=settings.schema_name, pooler=settings.pg_pooler
+            )
         await holder["store"].migrate()
         async with holder["store"].pool.acquire() as conn:
             await conn.execute(PAYMENTS_SQL)

@@ -19,7 +19,12 @@ import pytest
 
 from consumer_idem import Action, ConsumerMessage, PostgresStore, idempotent_consumer
 from consumer_idem.errors import SchemaMissing, StoreRejected, StoreUnavailable
-from consumer_idem.stores.postgres.errors import is_database_outage, kind_of, wrong_node
+from consumer_idem.stores.postgres.errors import (
+    describe,
+    is_database_outage,
+    kind_of,
+    wrong_node,
+)
 
 
 def msg(key: str, body: Any) -> ConsumerMessage:
@@ -96,6 +101,8 @@ async def test_only_what_the_data_caused_is_rejected(
     assert exc.sqlstate == state, (what, exc)
     assert kind_of(exc) is kind, (what, exc)
     assert wrong_node(exc) is (state == "25006")
+    # a prepared statement gone or there twice names the likely cause and its setting
+    assert ("pooler='transaction'" in describe("claim", exc)) is (state in ("26000", "42P05"))
 
 
 async def test_the_handlers_own_sql_bug_is_its_failure_and_a_read_only_server_an_outage(

@@ -106,6 +106,13 @@ def wrong_node(exc: BaseException) -> bool:
     return False
 
 
+#: a prepared statement missing, or there already: what a transaction pooler does to them
+_POOLER_STATES = ("26000", "42P05")
+POOLER_HINT = (
+    "behind a transaction pooler (PgBouncer pool_mode=transaction, a provider's pooled port)? "
+    "create the store with PostgresStore(pool, pooler='transaction') and the pool with "
+    "statement_cache_size=0 (consumer_idem.create_pool(dsn, pooler='transaction'))"
+)
 MIGRATE_HINT = "run `consumer-idem migrate` (or `await store.migrate()`)"
 
 
@@ -115,6 +122,8 @@ def describe(operation: str, exc: BaseException) -> str:
     text = f"idempotency store {operation} failed: {type(exc).__name__}: {exc}"
     if kind is SchemaMissing:
         return f"{text}; the idempotency schema is missing or outdated: {MIGRATE_HINT}"
+    if _state(exc) in _POOLER_STATES:
+        return f"{text}; {POOLER_HINT}"
     return text
 
 
