@@ -120,6 +120,14 @@ async def test_the_handlers_own_sql_bug_is_its_failure_and_a_read_only_server_an
     assert kind_of(asyncpg.exceptions.InternalServerError("XX000")) is StoreUnavailable
 
 
+async def test_no_host_of_the_wanted_kind_is_an_outage_of_the_wrong_node(pg_dsn: str) -> None:
+    # what target_session_attrs=read-write answers while no host is the primary, made real
+    # with the one attribute our only server lacks
+    with pytest.raises(asyncpg.exceptions.TargetServerAttributeNotMatched) as raised:
+        await asyncpg.connect(pg_dsn, target_session_attrs="read-only")
+    assert kind_of(raised.value) is StoreUnavailable and wrong_node(raised.value)
+
+
 async def test_a_read_only_database_is_waited_out_said_once_and_resumed(
     own_database: str, caplog: pytest.LogCaptureFixture
 ) -> None:

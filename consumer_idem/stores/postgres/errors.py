@@ -95,13 +95,16 @@ def kind_of(exc: BaseException) -> type[ConsumerIdemError]:
 
 def wrong_node(exc: BaseException) -> bool:
     """``exc`` (or what it was raised from) says the server cannot take writes: read-only
-    (a demoted primary, a standby, ``default_transaction_read_only``) or in recovery."""
+    (a demoted primary, a standby, ``default_transaction_read_only``) or in recovery, or no
+    host of a multi-host DSN is the writable one right now."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if _state(current) in WRONG_NODE_STATES:
             return True
+        if isinstance(current, asyncpg.exceptions.TargetServerAttributeNotMatched):
+            return True  # a multi-host DSN's target_session_attrs: no host is writable now
         current = current.__cause__ or current.__context__
     return False
 
