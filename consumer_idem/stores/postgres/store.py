@@ -172,7 +172,10 @@ class PostgresStore(StoreBase):
             exc,
             extra={"scope": scope, "operation": operation},
         )
-        return kind(pg_errors.describe(operation, exc))
+        error = kind(pg_errors.describe(operation, exc))
+        if wrong_node and isinstance(error, StoreUnavailable):
+            error.said = True
+        return error
 
     @staticmethod
     def is_outage(exc: BaseException) -> bool:
