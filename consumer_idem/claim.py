@@ -198,6 +198,15 @@ async def _commit(store: PostgresStore, conn: Any, scope: str, commit: Awaitable
         raise store.error_for("commit", exc, scope) from exc
 
 
+def _outage(store: PostgresStore, exc: BaseException) -> bool:
+    """``exc``, met while the work's local writes ran with the completion, is one to wait out:
+    for a driver error, as for a handler's own statement (:func:`is_database_outage`: its
+    syntax error is its own failure); for anything else, as the store sees it."""
+    if isinstance(exc, asyncpg.PostgresError | asyncpg.InterfaceError):
+        return is_database_outage(exc)
+    return store.is_outage(exc)
+
+
 def _closed(conn: Any) -> bool:
     """The claim's connection is gone (an OSError then came from it, not from the work's own
     calls elsewhere, such as an HTTP request to another service)."""
@@ -758,8 +767,8 @@ class TwoPhaseClaim:
                 raise
             except Exception as exc:
                 await rollback(conn)
-                if not isinstance(exc, StoreRejected) and store.is_outage(exc):
-                    raise store.error_for("complete", exc, self.scope) from exc
+                if not isinstance(exc, StoreRejected) and _outage(store, exc):
+                    raise store.error_for("complete", exc, self.scope, conn) from exc
                 raise _NotCompleted(f"{type(exc).__name__}: {exc}") from exc
             except BaseException:
                 await rollback(conn)

@@ -17,7 +17,16 @@ from typing import Any
 import asyncpg
 import pytest
 
-from consumer_idem import Action, ConsumerMessage, PostgresStore, idempotent_consumer
+from consumer_idem import (
+    Action,
+    Attempt,
+    ConsumerMessage,
+    OutcomeKind,
+    PostgresStore,
+    fingerprint_json,
+    idempotent_consumer,
+    run_two_phase,
+)
 from consumer_idem.errors import SchemaMissing, StoreRejected, StoreUnavailable
 from consumer_idem.stores.postgres.errors import (
     describe,
@@ -25,6 +34,8 @@ from consumer_idem.stores.postgres.errors import (
     kind_of,
     wrong_node,
 )
+
+FP = fingerprint_json({"n": 1})
 
 
 def msg(key: str, body: Any) -> ConsumerMessage:
@@ -170,3 +181,27 @@ async def test_a_read_only_database_is_waited_out_said_once_and_resumed(
     finally:
         await pool.close()
         await admin.close()
+
+
+async def test_two_phase_local_writes_wait_out_a_read_only_server_and_park_their_own_bug(
+    store: PostgresStore, scope: str
+) -> None:
+    """After the external call, the work's local writes commit with the completion: a server
+    that cannot take writes is waited out (the delivery comes again and completes), while a
+    syntax error of the handler's own SQL is its own failure: parked ``unknown`` for
+    reconciliation, never waited on for ever."""
+
+    async def charge(attempt: Attempt) -> Any:
+        return {"charged": True}
+
+    async def read_only(conn: asyncpg.Connection, result: Any) -> None:
+        await conn.execute("SET LOCAL transaction_read_only = on; CREATE TEMP TABLE ro (k int)")
+
+    with pytest.raises(StoreUnavailable):
+        await run_two_phase(store, scope, "ro", FP, charge, local_writes=read_only)
+
+    async def buggy(conn: asyncpg.Connection, result: Any) -> None:
+        await conn.execute("INSERT INTO nowhere VALUES (")
+
+    outcome = await run_two_phase(store, scope, "bug", FP, charge, local_writes=buggy)
+    assert outcome.kind is OutcomeKind.UNKNOWN and outcome.parked_now
