@@ -71,7 +71,7 @@ from consumer_idem.stores.postgres.maintenance import (
     StoreStats,
     SweepReport,
 )
-from consumer_idem.stores.postgres.pooler import Pooler, create_pool
+from consumer_idem.stores.postgres.pooler import Pooler, create_pool, detect_pooler
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.stores.redis import RedisStore
 from consumer_idem.transports.settle import RunnerStats
@@ -153,6 +153,7 @@ __all__ = [
     "canonical_json",
     "cloudevents",
     "create_pool",
+    "detect_pooler",
     "fingerprint_bytes",
     "fingerprint_json",
     "fingerprint_payload",

@@ -21,6 +21,7 @@ from consumer_idem import (
     ConsumerMessage,
     PostgresStore,
     create_pool,
+    detect_pooler,
     idempotent_consumer,
 )
 from consumer_idem.claim import waiters_for
@@ -113,3 +114,10 @@ async def test_waiters_behind_a_transaction_pooler_poll_instead_of_listening(
         assert waiters._conn is None  # no connection held for a LISTEN
     with pytest.raises(ConfigurationError, match="pooler='transaction'"):
         PostgresStore(pooled, pooler="statement")  # type: ignore[arg-type]
+
+
+async def test_the_probe_finds_a_transaction_pooler_and_never_a_direct_server(
+    pooled: asyncpg.Pool, pg_pool: asyncpg.Pool
+) -> None:
+    assert await detect_pooler(pooled) == "transaction"
+    assert await detect_pooler(pg_pool) is None  # two open connections never share a backend

@@ -10,10 +10,11 @@ rides with a COMMIT (that needs a session setting to tell whether the COMMIT hap
 HTTP ``wait`` polls instead of listening. Migrations run in one transaction and go through the
 pooler too.
 
-A pooler in session mode, or none, needs nothing: leave ``pooler`` out. A pooler cannot be
-told from a server reliably from the client side (its port and host say nothing for sure), so
-the mode is the deployment's to say; :func:`check_pool` refuses a pool whose connections keep
-asyncpg's statement cache, which a transaction pooler breaks sooner or later.
+A pooler in session mode, or none, needs nothing: leave ``pooler`` out. Its port and host say
+nothing for sure, so the mode is the deployment's to say. :func:`detect_pooler` is an optional
+probe that is certain when it answers ``"transaction"`` (two open connections served by one
+server process) and inconclusive otherwise. :func:`check_pool` refuses a pool whose
+connections keep asyncpg's statement cache, which a transaction pooler breaks sooner or later.
 """
 
 from __future__ import annotations
@@ -81,3 +82,25 @@ def _cache_on(evidence: str) -> ConfigurationError:
         "the pool with statement_cache_size=0 (consumer_idem.create_pool(dsn, "
         f"pooler='transaction') does) [{evidence}]"
     )
+
+
+async def detect_pooler(pool: Any, *, rounds: int = 3) -> Pooler:
+    """An optional start-up probe: ``"transaction"`` when two connections of ``pool``, open at
+    the same time, were served by one server process (PgBouncer in transaction mode hands
+    the server a statement used to the next statement of any client), ``None`` otherwise.
+
+    Reliable one way only: a direct connection or a session pooler never shares a server
+    process between two open connections, so ``"transaction"`` is certain; ``None`` may
+    still be a transaction pooler that happened to pick another server process each time.
+    State the mode where you know it (``PostgresStore(pool, pooler="transaction")``)."""
+    async with pool.acquire(timeout=10) as first, pool.acquire(timeout=10) as second:
+        for _ in range(rounds):
+            try:
+                # one after the other, each outside a transaction: nothing holds a server
+                if await first.fetchval("SELECT pg_backend_pid()") == await second.fetchval(
+                    "SELECT pg_backend_pid()"
+                ):
+                    return "transaction"
+            except _CACHED:
+                return "transaction"  # asyncpg's statement of one met the other's on its server
+    return None
