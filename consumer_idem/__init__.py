@@ -73,6 +73,7 @@ from consumer_idem.stores.postgres.maintenance import (
     StoreStats,
     SweepReport,
 )
+from consumer_idem.stores.postgres.pooler import Pooler, create_pool, detect_pooler
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.stores.redis import RedisStore
 from consumer_idem.transports.settle import RunnerStats
@@ -124,6 +125,7 @@ __all__ = [
     "Outcome",
     "OutcomeKind",
     "PoisonMessage",
+    "Pooler",
     "PostgresStore",
     "PrunePolicy",
     "PruneReport",
@@ -153,6 +155,8 @@ __all__ = [
     "amqp_message_id",
     "canonical_json",
     "cloudevents",
+    "create_pool",
+    "detect_pooler",
     "downstream_key_for",
     "fingerprint_bytes",
     "fingerprint_json",

@@ -72,7 +72,7 @@ from consumer_idem.errors import (
 )
 from consumer_idem.outbox import UnitOutbox, close_units, committed, open_unit
 from consumer_idem.stores.base import Store
-from consumer_idem.stores.postgres.errors import is_database_outage
+from consumer_idem.stores.postgres.errors import is_database_outage, wrong_node
 from consumer_idem.stores.postgres.migrate import per_schema_name
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.stores.results import encode_result
@@ -185,13 +185,26 @@ async def _commit(store: PostgresStore, conn: Any, scope: str, commit: Awaitable
         )
         raise _Refused(str(aborted)) from aborted
     except asyncpg.PostgresError as exc:
-        if isinstance(exc, asyncpg.PostgresConnectionError) or conn.is_closed():
-            raise store.error_for("commit", exc, scope) from exc
+        if (
+            isinstance(exc, asyncpg.PostgresConnectionError)
+            or conn.is_closed()
+            or wrong_node(exc)  # a server that cannot take writes: nothing of the work's doing
+        ):
+            raise store.error_for("commit", exc, scope, conn) from exc
         raise _Refused(str(exc)) from exc
     except Exception as exc:
         # The commit may or may not have reached the server; both outcomes are atomic
         # (row and effect together), so the redelivery settles it: replay or execute.
         raise store.error_for("commit", exc, scope) from exc
+
+
+def _outage(store: PostgresStore, exc: BaseException) -> bool:
+    """``exc``, met while the work's local writes ran with the completion, is one to wait out:
+    for a driver error, as for a handler's own statement (:func:`is_database_outage`: its
+    syntax error is its own failure); for anything else, as the store sees it."""
+    if isinstance(exc, asyncpg.PostgresError | asyncpg.InterfaceError):
+        return is_database_outage(exc)
+    return store.is_outage(exc)
 
 
 def _closed(conn: Any) -> bool:
@@ -396,7 +409,9 @@ class TransactionalClaim:
                 refused,
                 extra={"scope": scope, "key": key},
             )
-            return await self.fail(refused.__cause__ or refused, _our_commit=True)
+            # a check a handler deallocated is the work's doing, not a pooler's: never an outage
+            cause = refused if gone else (refused.__cause__ or refused)
+            return await self.fail(cause, _our_commit=True)
         if store.cache is not None:  # committed: safe to cache
             cached = record or store.fast_path.completed_record(
                 scope, key, self.fingerprint, encoded, self.retention
@@ -517,7 +532,7 @@ class TransactionalClaim:
             # the work's own statement met an outage or a transient refusal (lock timeout,
             # statement timeout, deadlock, serialization failure, a dropped connection): nothing
             # committed and no handler bug: wait for the store, without spending an attempt
-            raise store.error_for("handler statement", exc, scope) from exc
+            raise store.error_for("handler statement", exc, scope, conn) from exc
         if self.domain_errors and isinstance(exc, DomainError):
             self.outcome = await self._domain_error(exc)
             return self.outcome
@@ -752,8 +767,8 @@ class TwoPhaseClaim:
                 raise
             except Exception as exc:
                 await rollback(conn)
-                if not isinstance(exc, StoreRejected) and store.is_outage(exc):
-                    raise store.error_for("complete", exc, self.scope) from exc
+                if not isinstance(exc, StoreRejected) and _outage(store, exc):
+                    raise store.error_for("complete", exc, self.scope, conn) from exc
                 raise _NotCompleted(f"{type(exc).__name__}: {exc}") from exc
             except BaseException:
                 await rollback(conn)
@@ -892,11 +907,19 @@ class CompletionWaiters:
     record again, so a settlement between the check and the wait is not missed. Settlements
     notify only where waiting is enabled (a NOTIFY makes commits queue on a lock for a moment),
     so a waiter also re-checks now and then.
+
+    Behind a transaction pooler (``pooler="transaction"``) nobody listens: a LISTEN needs one
+    server connection for as long as it lasts. Waiters then only re-check, more often
+    (:attr:`poll_cap`).
     """
 
     def __init__(self, store: PostgresStore) -> None:
         self.store = store
         self.channel = _channel(store)
+        #: whether settlements wake waiters (LISTEN), or waiters only poll
+        self.listening = store.pooler != "transaction"
+        #: the longest pause between two re-checks of a waiter (seconds)
+        self.poll_cap = 2.0 if self.listening else 0.2
         self._events: dict[str, set[asyncio.Event]] = {}
         self._conn: Any = None
         self._users = 0
@@ -910,8 +933,9 @@ class CompletionWaiters:
         self._events.setdefault(digest, set()).add(event)
         listening = False
         try:
-            await self._listen()
-            listening = True
+            if self.listening:
+                await self._listen()
+                listening = True
             yield event
         finally:
             events = self._events.get(digest)

@@ -367,7 +367,8 @@ class IdempotentConsumer:
 
     def _store_down(self, exc: StoreUnavailable, key: str | None) -> Verdict:
         self._store_failures += 1
-        log.warning(
+        log.log(
+            logging.DEBUG if exc.said else logging.WARNING,  # said once for the episode
             "scope=%s key=%s: store unavailable, will retry: %s",
             self.scope,
             key,

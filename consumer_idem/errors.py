@@ -55,7 +55,11 @@ class InvalidKey(ConsumerIdemError, ValueError):
 
 
 class StoreUnavailable(ConsumerIdemError):
-    """The store could not be reached or failed. Callers must not proceed (fail closed)."""
+    """The store could not be reached or failed. Callers must not proceed (fail closed).
+    ``said``: the outage is one the store has warned about once for its whole episode (a
+    server that cannot take writes), so callers log it per message at debug level only."""
+
+    said: bool = False
 
 
 class LeaseLost(ConsumerIdemError):

@@ -1013,8 +1013,9 @@ class IdempotencyMiddleware:
         that never comes (the owner's process died: its transaction rolled back)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + request.wait - (time.monotonic() - request.started_at)
-        poll = 0.25
-        async with waiters_for(self.store).watch(request.record_scope, request.key) as woken:
+        waiters = waiters_for(self.store)
+        poll = min(0.25, waiters.poll_cap / 4)
+        async with waiters.watch(request.record_scope, request.key) as woken:
             while True:
                 # listening already: a settlement from here on wakes us, none slips through
                 retry_after = await attempt(request, True)
@@ -1024,7 +1025,7 @@ class IdempotencyMiddleware:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(woken.wait(), min(remaining, poll))
                 woken.clear()
-                poll = min(poll * 2, 2.0)
+                poll = min(poll * 2, waiters.poll_cap)
 
     # --- the two modes ---------------------------------------------------------------------------
 

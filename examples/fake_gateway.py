@@ -14,6 +14,8 @@ GET  /_stats                      {"charges", "requests"}
 POST /_faults                     inject failures into the next charges:
     {"timeout_after_charge": n}   charge, then hang (the client times out: outcome unknown)
     {"fail_before_charge": n}     503 without charging (provably not executed)
+    {"slow_charge_ms": ms}        the next charge answers only after ms milliseconds (a request
+                                  still running when its duplicate arrives)
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class Gateway:
         self.tasks: set[asyncio.Task[None]] = set()
         self.charges: dict[str, dict[str, Any]] = {}
         self.requests = 0
-        self.faults = {"timeout_after_charge": 0, "fail_before_charge": 0}
+        self.faults = {"timeout_after_charge": 0, "fail_before_charge": 0, "slow_charge_ms": 0}
         self.lock = asyncio.Lock()
 
 
@@ -76,10 +78,12 @@ async def create_charge(request: Request) -> JSONResponse:
         hang = state.faults["timeout_after_charge"] > 0
         if hang:
             state.faults["timeout_after_charge"] -= 1
+        slow, state.faults["slow_charge_ms"] = state.faults["slow_charge_ms"], 0
         if os.environ.get("GATEWAY_WEBHOOK_URL"):
             state.tasks.add(asyncio.create_task(announce(charge)))
     if hang:
         await asyncio.sleep(30)  # the charge exists; the caller never hears about it
+    await asyncio.sleep(slow / 1000)
     return JSONResponse(charge, status_code=402 if declined else 201)
 
 

@@ -12,7 +12,8 @@ The charge is external I/O, so the route is two-phase: the key is claimed with a
 gateway is called with a key derived from ours (it dedupes our retries too), and the payment
 row is written in the transaction that stores the response. If the gateway takes the money but
 never answers, the payment is ``unknown`` (retries get 409) until the gateway's webhook says
-what happened; then a retry replays the 201 byte for byte.
+what happened; then a retry replays the 201 byte for byte. A duplicate that arrives while the
+first request is still charging waits for it (up to ``WAIT_SECONDS``) and gets its response.
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ from fastapi import FastAPI, Header, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from consumer_idem import DomainError, Executed, NotExecuted, PostgresStore, Retryable, Status
+from consumer_idem import (
+    DomainError,
+    Executed,
+    NotExecuted,
+    PostgresStore,
+    Retryable,
+    Status,
+    create_pool,
+)
 from consumer_idem.cli.settings import load_settings
 from consumer_idem.http import IdempotencyMiddleware, idempotent
 from consumer_idem.types import StoredResponse
@@ -47,6 +56,9 @@ CREATE TABLE IF NOT EXISTS api_payments (
     created_at   timestamptz NOT NULL DEFAULT now()
 )
 """
+#: how long a duplicate waits for the first request in flight before a 409: longer than the
+#: gateway's timeout, so it gets the first one's answer
+WAIT_SECONDS = 5.0
 DEV_SECRET = "whsec_ZGV2LW9ubHktd2ViaG9vay1zZWNyZXQtY2hhbmdlLW1l"  # only when the env has none
 
 
@@ -88,8 +100,14 @@ def create_app(store: PostgresStore | None = None, gateway_url: str | None = Non
         pool = None
         if holder["store"] is None:
             settings = load_settings()
-            pool = await asyncpg.create_pool(settings.pg_dsn, min_size=2, max_size=20)
-            holder["store"] = PostgresStore(pool, schema=settings.schema_name)
+            # behind a transaction pooler (CONSUMER_IDEM_PG_POOLER=transaction): no LISTEN,
+            # no statement cache
+            pool = await create_pool(
+                settings.pg_dsn, pooler=settings.pg_pooler, min_size=2, max_size=20
+            )
+            holder["store"] = PostgresStore(
+                pool, schema=settings.schema_name, pooler=settings.pg_pooler
+            )
         await holder["store"].migrate()
         async with holder["store"].pool.acquire() as conn:
             await conn.execute(PAYMENTS_SQL)
@@ -119,7 +137,7 @@ def create_app(store: PostgresStore | None = None, gateway_url: str | None = Non
             503: {"description": "idempotency store or gateway unavailable; retry later"},
         },
     )
-    @idempotent(required=True, mode="two_phase")
+    @idempotent(required=True, mode="two_phase", wait=WAIT_SECONDS)
     async def create_payment(
         payment: PaymentIn,
         request: Request,

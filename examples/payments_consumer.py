@@ -24,7 +24,13 @@ from datetime import timedelta
 
 import asyncpg
 
-from consumer_idem import ConsumerMessage, PostgresStore, header, idempotent_consumer
+from consumer_idem import (
+    ConsumerMessage,
+    PostgresStore,
+    create_pool,
+    header,
+    idempotent_consumer,
+)
 from consumer_idem.cli.settings import load_settings
 from consumer_idem.outbox import outbox_for
 from handlers.payments import (
@@ -79,9 +85,9 @@ async def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
     settings = load_settings()
-    pool = await asyncpg.create_pool(settings.pg_dsn, min_size=2, max_size=10)
-    assert pool is not None
-    store = PostgresStore(pool, schema=settings.schema_name)
+    # behind a transaction pooler (CONSUMER_IDEM_PG_POOLER=transaction): no statement cache
+    pool = await create_pool(settings.pg_dsn, pooler=settings.pg_pooler, min_size=2, max_size=10)
+    store = PostgresStore(pool, schema=settings.schema_name, pooler=settings.pg_pooler)
     store.outbox.relay_after = timedelta(seconds=args.relay_after)
     await store.migrate()
     await ensure_tables(pool)

@@ -1,5 +1,7 @@
-"""Readiness of the four services, each checked with a real client request.
+"""Readiness of the services, each checked with a real client request.
 
+The four the library talks to, and those of the tests of Postgres as deployed: PgBouncer in
+transaction pooling mode (6432) and a primary (5433) with its streaming standby (5434).
 Used by ``scripts/services``; prints a status table and exits non-zero naming what failed.
 """
 
@@ -9,13 +11,25 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from urllib.parse import urlsplit
 
 from consumer_idem.cli.settings import load_settings
 
 READY_TOPIC = "consumer_idem.ready"
+#: the test suite's defaults (tests/conftest.py reads the same variables)
+PGBOUNCER_DSN = os.environ.get(
+    "CONSUMER_IDEM_PGBOUNCER_DSN", "postgresql://postgres:postgres@127.0.0.1:6432/postgres"
+)
+PG_PRIMARY_DSN = os.environ.get(
+    "CONSUMER_IDEM_PG_PRIMARY_DSN", "postgresql://postgres:postgres@127.0.0.1:5433/postgres"
+)
+PG_STANDBY_DSN = os.environ.get(
+    "CONSUMER_IDEM_PG_STANDBY_DSN", "postgresql://postgres:postgres@127.0.0.1:5434/postgres"
+)
 
 
 async def check_postgres() -> str:
@@ -27,6 +41,60 @@ async def check_postgres() -> str:
     finally:
         await conn.close()
     return f"PostgreSQL {version}"
+
+
+async def check_pgbouncer() -> str:
+    import asyncpg
+
+    # no statement cache: in transaction pooling mode a prepared statement may be gone
+    conn = await asyncpg.connect(PGBOUNCER_DSN, timeout=3, statement_cache_size=0)
+    try:
+        version = await conn.fetchval("SELECT current_setting('server_version')")
+    finally:
+        await conn.close()
+    # The admin console speaks only the simple query protocol, which asyncpg does not expose
+    # for reading rows: ask psql (installed with PostgreSQL) for the pooling mode.
+    console = urlsplit(PGBOUNCER_DSN)._replace(path="/pgbouncer").geturl()
+    psql = await asyncio.create_subprocess_exec(
+        "psql", "-XAt", "-F", "=", "-c", "SHOW CONFIG", console,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await psql.communicate()
+    if psql.returncode:
+        raise RuntimeError(f"the admin console did not answer: {err.decode().strip()[:80]}")
+    config = dict(line.split("=")[:2] for line in out.decode().splitlines() if "=" in line)
+    mode = config.get("pool_mode", "?")
+    return f"PgBouncer, {mode} pooling, to PostgreSQL {version}"
+
+
+async def check_pg_node(dsn: str, standby: bool) -> str:
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn, timeout=3)
+    try:
+        in_recovery = await conn.fetchval("SELECT pg_is_in_recovery()")
+        read_only = await conn.fetchval("SELECT current_setting('default_transaction_read_only')")
+        streaming = await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_wal_receiver WHERE status = 'streaming'"
+        )
+    finally:
+        await conn.close()
+    if standby and not (in_recovery and streaming):
+        raise RuntimeError(
+            "not a streaming standby (promoted?): `scripts/services pair reset` rebuilds it"
+        )
+    if not standby and (in_recovery or read_only == "on"):
+        raise RuntimeError("not a writable primary: `scripts/services pair reset` restores it")
+    return "standby, streaming" if standby else "primary, read-write"
+
+
+async def check_pg_primary() -> str:
+    return await check_pg_node(PG_PRIMARY_DSN, standby=False)
+
+
+async def check_pg_standby() -> str:
+    return await check_pg_node(PG_STANDBY_DSN, standby=True)
 
 
 async def check_kafka() -> str:
@@ -81,6 +149,9 @@ CHECKS: dict[str, tuple[str, Callable[[], Awaitable[str]]]] = {
     "kafka": ("127.0.0.1:9092", check_kafka),
     "rabbitmq": ("127.0.0.1:5672", check_rabbitmq),
     "redis": ("127.0.0.1:6379", check_redis),
+    "pgbouncer": ("127.0.0.1:6432", check_pgbouncer),
+    "pg-primary": ("127.0.0.1:5433", check_pg_primary),
+    "pg-standby": ("127.0.0.1:5434", check_pg_standby),
 }
 
 
@@ -102,14 +173,17 @@ async def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--timeout", type=float, default=60)
     parser.add_argument("--log", action="append", default=[], help="service=path of its log")
+    parser.add_argument("--only", default=",".join(CHECKS), help="comma-separated services")
     args = parser.parse_args()
+    names = [name for name in CHECKS if name in args.only.split(",")]
     # Client libraries log every refused connection while a service boots; the table says enough.
     logging.disable(logging.CRITICAL)
     logs = dict(item.split("=", 1) for item in args.log)
-    results = await asyncio.gather(*(wait_ready(name, args.timeout) for name in CHECKS))
+    results = await asyncio.gather(*(wait_ready(name, args.timeout) for name in names))
     print(f"{'service':<10} {'address':<16} {'state':<8} {'secs':>5}  detail")
     failed = []
-    for (name, (address, _)), (ok, detail, secs) in zip(CHECKS.items(), results, strict=True):
+    for name, (ok, detail, secs) in zip(names, results, strict=True):
+        address = CHECKS[name][0]
         state = "ready" if ok else "FAILED"
         print(f"{name:<10} {address:<16} {state:<8} {secs:5.1f}  {detail}")
         if not ok:

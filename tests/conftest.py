@@ -21,6 +21,14 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from consumer_idem import PostgresStore
 from consumer_idem.cli.settings import Settings, load_settings
+from tests._failover import (
+    PG_PRIMARY_DSN,
+    PG_STANDBY_DSN,
+    PGBOUNCER_DSN,
+    FailoverPair,
+    PairScriptFailed,
+    pair_script,
+)
 
 ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,13 +54,29 @@ def unique(prefix: str) -> str:
 #: fixtures that reach a service: a test using any of them (directly or through another
 #: fixture) is marked ``services``; ``make test-fast`` runs the others with nothing started
 SERVICE_FIXTURES = frozenset(
-    {"pg_dsn", "kafka_admin", "kafka_producer", "amqp_connection", "redis_client", "gateway_url"}
+    {
+        "pg_dsn",
+        "kafka_admin",
+        "kafka_producer",
+        "amqp_connection",
+        "redis_client",
+        "gateway_url",
+        "own_database",
+        "pgbouncer_dsn",
+        "failover_pair",
+    }
 )
 #: test modules that reach a service from the test body (subprocesses, their own clients)
 SERVICE_MODULES = frozenset({"test_services", "test_cli", "test_payments_api", "test_tracing"})
 #: long runs (chaos with SIGKILLs, property-based HTTP fuzzing): marked ``slow`` as well
 SLOW_MODULES = frozenset(
-    {"test_chaos_postgres", "test_consumer_chaos", "test_store_processes", "test_payments_api"}
+    {
+        "test_chaos_postgres",
+        "test_consumer_chaos",
+        "test_store_processes",
+        "test_payments_api",
+        "test_chaos_pg_deployed",
+    }
 )
 
 
@@ -94,6 +118,68 @@ async def pg_dsn(settings: Settings) -> AsyncIterator[str]:
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     finally:
         await admin.close()
+
+
+@pytest.fixture
+async def own_database(settings: Settings) -> AsyncIterator[str]:
+    """A database of the main server for one test only (the DSN straight to 5432), for a test
+    that changes the database itself (``ALTER DATABASE``) or reaches it through PgBouncer."""
+    try:
+        admin = await asyncpg.connect(settings.pg_dsn, timeout=5)
+    except Exception as exc:
+        service_missing("PostgreSQL", settings.pg_dsn, exc)
+    name = f"consumer_idem_own_{uuid.uuid4().hex[:10]}"
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    yield with_database(settings.pg_dsn, name)
+    admin = await asyncpg.connect(settings.pg_dsn, timeout=5)
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
+@pytest.fixture(scope="session")
+async def pgbouncer_dsn() -> str:
+    """PgBouncer in transaction pooling mode in front of the main server (``scripts/services``
+    starts it on 127.0.0.1:6432): any database of 5432, named in the DSN's path."""
+    try:
+        # no statement cache: in transaction mode a prepared statement may be gone next time
+        conn = await asyncpg.connect(PGBOUNCER_DSN, timeout=5, statement_cache_size=0)
+        try:
+            await conn.fetchval("SELECT 1")
+        finally:
+            await conn.close()
+    except Exception as exc:
+        service_missing("PgBouncer", PGBOUNCER_DSN, exc)
+    return PGBOUNCER_DSN
+
+
+@pytest.fixture
+async def failover_pair() -> AsyncIterator[FailoverPair]:
+    """The primary (5433) and its synchronous standby (5434) of ``scripts/services``, made
+    fresh for this test (the primary writable, the standby a new base backup of it), with a
+    database of this test's own; made fresh again afterwards, whatever the test did to them."""
+    target = f"{PG_PRIMARY_DSN} + standby {PG_STANDBY_DSN}"
+    try:
+        await pair_script("reset")
+    except (PairScriptFailed, OSError) as exc:
+        service_missing("The fail-over pair (PostgreSQL primary and standby)", target, exc)
+    pair = FailoverPair(
+        PG_PRIMARY_DSN, PG_STANDBY_DSN, f"consumer_idem_pair_{uuid.uuid4().hex[:10]}"
+    )
+    for role, dsn in (("primary", PG_PRIMARY_DSN), ("standby", PG_STANDBY_DSN)):
+        try:
+            conn = await asyncpg.connect(dsn, timeout=5)
+            await conn.close()
+        except Exception as exc:
+            service_missing(f"The fail-over pair's {role}", dsn, exc)
+    await pair.create_database()
+    yield pair
+    await pair_script("reset")
+    await pair.drop_database()
 
 
 @pytest.fixture(scope="session")

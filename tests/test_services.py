@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import sys
+import time
 from typing import Any
 
 import aio_pika
 import asyncpg
+import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from consumer_idem.cli.settings import Settings
+from tests._failover import FailoverPair
+from tests.conftest import ROOT_DIR, with_database
 
 
 async def test_postgres_round_trip(pg_pool: asyncpg.Pool) -> None:
@@ -93,3 +100,83 @@ async def test_redis_set_nx_with_expiry(redis_client: aioredis.Redis, redis_pref
     assert await redis_client.set(key, "owner-b", nx=True, ex=30) is None
     assert await redis_client.get(key) == b"owner-a"
     assert 0 < await redis_client.ttl(key) <= 30
+
+
+async def test_pgbouncer_hands_a_server_connection_back_after_each_transaction(
+    pgbouncer_dsn: str, own_database: str
+) -> None:
+    """Transaction pooling, not session pooling: once one client's statement is done, another
+    client gets the same server connection (its own database: nobody else in that pool)."""
+    through = with_database(pgbouncer_dsn, own_database.rsplit("/", 1)[1])
+    first = await asyncpg.connect(through, statement_cache_size=0)
+    second = await asyncpg.connect(through, statement_cache_size=0)
+    try:
+        backend = await first.fetchval("SELECT pg_backend_pid()")
+        assert await second.fetchval("SELECT pg_backend_pid()") == backend
+        async with first.transaction():  # held for a whole transaction: no longer shared
+            mine = await first.fetchval("SELECT pg_backend_pid()")
+            assert await second.fetchval("SELECT pg_backend_pid()") != mine
+    finally:
+        await first.close()
+        await second.close()
+
+
+async def test_the_standby_replays_what_the_primary_commits(failover_pair: FailoverPair) -> None:
+    database = failover_pair.database
+    primary = await asyncpg.connect(with_database(failover_pair.primary_dsn, database))
+    standby = await asyncpg.connect(with_database(failover_pair.standby_dsn, database))
+    try:
+        await primary.execute("CREATE TABLE smoke (id int)")
+        await primary.execute("INSERT INTO smoke VALUES (1)")  # synchronous: on the standby
+        assert await standby.fetchval("SELECT pg_is_in_recovery()")
+        deadline = time.monotonic() + 10
+        while not await standby.fetchval("SELECT to_regclass('smoke') IS NOT NULL"):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        assert await standby.fetchval("SELECT count(*) FROM smoke") == 1
+        assert await failover_pair.promote_standby() < 30
+        await standby.execute("INSERT INTO smoke VALUES (2)")  # writable once promoted
+    finally:
+        await primary.close()
+        await standby.close()
+
+
+@pytest.mark.parametrize(
+    ("variable", "test", "named"),
+    [
+        (
+            "CONSUMER_IDEM_PGBOUNCER_DSN",
+            "test_pgbouncer_hands_a_server_connection_back_after_each_transaction",
+            "PgBouncer is not reachable",
+        ),
+        (
+            "CONSUMER_IDEM_PG_STANDBY_DSN",
+            "test_the_standby_replays_what_the_primary_commits",
+            "The fail-over pair's standby is not reachable",
+        ),
+    ],
+)
+async def test_a_missing_pgbouncer_or_standby_fails_its_tests_under_ci(
+    variable: str, test: str, named: str
+) -> None:
+    """Never a skip: CI must not go green on a machine without PgBouncer or the standby."""
+    nowhere = "postgresql://postgres:postgres@127.0.0.1:1/postgres"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        f"tests/test_services.py::{test}",
+        cwd=ROOT_DIR,
+        env={**os.environ, "CI": "true", variable: nowhere},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), timeout=120)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 1, text
+    assert "1 error" in text or "1 failed" in text, text
+    assert "skipped" not in text, text
+    assert f"{named} at {nowhere} (CI=true)" in text, text

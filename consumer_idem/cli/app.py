@@ -20,7 +20,6 @@ from datetime import timedelta
 from enum import StrEnum
 from typing import Annotated, Any, TypeVar
 
-import asyncpg
 import typer
 from rich.markup import escape
 from rich.table import Table
@@ -49,6 +48,7 @@ from consumer_idem.stores.postgres.maintenance import (
     StoreStats,
 )
 from consumer_idem.stores.postgres.outbox import OutboxStats
+from consumer_idem.stores.postgres.pooler import create_pool
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.types import Status
 
@@ -109,12 +109,18 @@ async def open_store(
     settings = load_settings()
     store_schema = schema or settings.schema_name
     try:
-        pool = await asyncpg.create_pool(dsn or settings.pg_dsn, min_size=1, max_size=4, timeout=10)
+        pool = await create_pool(
+            dsn or settings.pg_dsn,
+            pooler=settings.pg_pooler,
+            min_size=1,
+            max_size=4,
+            timeout=10,
+        )
     except Exception as exc:
         raise CliError(f"cannot connect to PostgreSQL: {type(exc).__name__}: {exc}") from exc
     assert pool is not None
     try:
-        store = PostgresStore(pool, schema=store_schema)
+        store = PostgresStore(pool, schema=store_schema, pooler=settings.pg_pooler)
         if check:
             try:
                 with store_errors_fatal():

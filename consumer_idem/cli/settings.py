@@ -7,6 +7,8 @@ fall back to ``CONSUMER_IDEM_KAFKA_BOOTSTRAP`` / ``CONSUMER_IDEM_AMQP_URL`` when
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -19,6 +21,14 @@ class Settings(BaseSettings):
     pg_dsn: str = Field(
         default="postgresql://postgres:postgres@127.0.0.1:5432/postgres",
         description="PostgreSQL DSN of the idempotency store (and, usually, the handlers' data).",
+    )
+    pg_pooler: Literal["transaction"] | None = Field(
+        default=None,
+        description=(
+            "'transaction' when pg_dsn reaches PostgreSQL through a transaction pooler"
+            " (PgBouncer pool_mode=transaction, a provider's pooled port); unset for a direct"
+            " connection or a session pooler."
+        ),
     )
     kafka_bootstrap: str = Field(default="127.0.0.1:9092", description="Kafka bootstrap servers.")
     amqp_url: str = Field(default="amqp://guest:guest@127.0.0.1:5672/", description="RabbitMQ URL.")

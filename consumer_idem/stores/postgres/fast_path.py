@@ -20,6 +20,7 @@ import asyncpg
 
 from consumer_idem.commit import (
     MARK_SETTING,
+    check_sql,
     commit,
     execute_and_commit,
     mark_lost,
@@ -108,24 +109,42 @@ class FastPath:
         self._asked: dict[Any, Ahead] = {}
         self._begun: dict[Any, Ahead] = {}
 
+    @property
+    def prepared(self) -> bool:
+        """Whether the fast path keeps its statements prepared on each connection: not behind
+        a transaction pooler, where the next transaction may run on another server connection
+        (the statements are then sent as text, in the transaction that runs them)."""
+        return self.store.pooler != "transaction"
+
+    def _claim_sql(self, scope: str, key: str, fingerprint: str, secs: str, mark: str) -> str:
+        # the transaction's mark (see consumer_idem.commit) is set by the claim itself rather
+        # than by a SET LOCAL of its own: one statement fewer for Postgres to parse and run in
+        # every unit. The subquery yields its one row whatever the claim finds.
+        return (
+            f"INSERT INTO {self.store.table} (scope, key, fingerprint, status, result_kind,"
+            f" completed_at, expires_at) SELECT {scope}, {key}, {fingerprint}, 'completed',"
+            f" 'success', now(), now() + make_interval(secs => {secs}) FROM (SELECT CASE WHEN"
+            f" {mark} IS NOT NULL THEN set_config('{MARK_SETTING}', {mark}, true) END) AS marked"
+            " ON CONFLICT (scope, key) DO NOTHING"
+        )
+
+    def _result_sql(self, scope: str, key: str, result: str) -> str:
+        return (
+            f"UPDATE {self.store.table} SET result = {result}::json"
+            f" WHERE scope = {scope} AND key = {key}"
+        )
+
     def _fast_path_statements(self) -> dict[str, str]:
         # Server-side prepared statements: the fast path sends simple-protocol queries (to batch
         # BEGIN/COMMIT with a statement), and those would otherwise be planned on every call.
         return {
-            # $5, the transaction's mark (see consumer_idem.commit), is set by the claim itself
-            # rather than by a SET LOCAL of its own: one statement fewer for Postgres to parse
-            # and run in every unit. The subquery yields its one row whatever the claim finds.
             self._claim_stmt: (
                 f"PREPARE {self._claim_stmt}(text, text, text, float8, text) AS"
-                f" INSERT INTO {self.store.table} (scope, key, fingerprint, status, result_kind,"
-                " completed_at, expires_at) SELECT $1, $2, $3, 'completed', 'success', now(),"
-                " now() + make_interval(secs => $4) FROM (SELECT CASE WHEN $5 IS NOT NULL THEN"
-                f" set_config('{MARK_SETTING}', $5, true) END) AS marked"
-                " ON CONFLICT (scope, key) DO NOTHING"
+                f" {self._claim_sql('$1', '$2', '$3', '$4', '$5')}"
             ),
             self._result_stmt: (
                 f"PREPARE {self._result_stmt}(text, text, text) AS"
-                f" UPDATE {self.store.table} SET result = $3::json WHERE scope = $1 AND key = $2"
+                f" {self._result_sql('$1', '$2', '$3')}"
             ),
             self._check_stmt: prepare_check_sql(self._check_stmt),
             self._check_done_stmt: prepare_check_sql(
@@ -136,12 +155,16 @@ class FastPath:
     def check(self, mark: str) -> str:
         """The transaction check (:func:`~consumer_idem.commit.check_sql`) for a connection
         that claimed with :meth:`begin_and_claim`, which prepared it there."""
+        if not self.prepared:
+            return check_sql(mark)
         return run_check_sql(self._check_stmt, mark)
 
     async def _prepare_fast_path(self, conn: asyncpg.Connection) -> None:
         """Prepare those of the fast path's statements ``conn`` lacks, in one query (outside a
         transaction). A connection can lack some only: the check when a handler deallocated
-        it, which :meth:`heal` repairs."""
+        it, which :meth:`heal` repairs. Never behind a transaction pooler."""
+        if not self.prepared:
+            return
         statements = self._fast_path_statements()
         existing = {
             r["name"]
@@ -179,10 +202,12 @@ class FastPath:
             "" if lock_timeout_ms is None else f"SET LOCAL lock_timeout = {int(lock_timeout_ms)}; "
         )
         marked = "NULL" if mark is None else f"'{mark}'"
-        return (
-            f"BEGIN; {timeout}EXECUTE {self._claim_stmt}({dollar_quote(scope)},"
-            f" {dollar_quote(key)}, {dollar_quote(fingerprint)}, {retention_s!r}, {marked})"
-        )
+        args = (dollar_quote(scope), dollar_quote(key), dollar_quote(fingerprint))
+        if not self.prepared:
+            claim = self._claim_sql(*args, f"{retention_s!r}::float8", f"{marked}::text")
+            return f"BEGIN; {timeout}{claim}"
+        values = ", ".join((*args, repr(retention_s), marked))
+        return f"BEGIN; {timeout}EXECUTE {self._claim_stmt}({values})"
 
     # --- the next unit's claim, in the round trip of this unit's COMMIT ---------------------
 
@@ -191,8 +216,10 @@ class FastPath:
         ``ahead``'s transaction and claim its key right after its COMMIT. The caller runs that
         unit next on ``conn`` (its claim takes it: :meth:`take_ahead`), calls
         :meth:`forget_ahead` once the current unit is over, and :meth:`end_ahead` when it stops
-        using ``conn``."""
-        self._asked[conn] = ahead
+        using ``conn``. Not behind a transaction pooler: whether the COMMIT before it
+        happened is read from a session setting there (:meth:`_committed_before`)."""
+        if self.prepared:
+            self._asked[conn] = ahead
 
     def forget_ahead(self, conn: Any) -> None:
         """The current unit is over: an ahead claim it did not send is not wanted any more."""
@@ -343,6 +370,10 @@ class FastPath:
                 f"UPDATE {self.store.table} SET {result}http_status = {int(response.status)},"
                 f" http_headers = {dollar_quote(json.dumps(dict(response.headers)))}::jsonb,"
                 f" http_body = decode('{response.body.hex()}', 'hex'){where}"
+            )
+        elif encoded is not None and not self.prepared:
+            statements.append(
+                self._result_sql(dollar_quote(scope), dollar_quote(key), dollar_quote(encoded))
             )
         elif encoded is not None:
             statements.append(

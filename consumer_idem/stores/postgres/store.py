@@ -2,8 +2,8 @@
 
 Every write after a reservation is conditional on the owner token (fencing), and every database
 failure surfaces as a library error so that no caller proceeds unprotected: an outage as
-:class:`StoreUnavailable` (wait it out), a missing schema as :class:`SchemaMissing`, data the
-database refuses as :class:`StoreRejected` (see ``pg_errors``).
+:class:`StoreUnavailable` (wait it out), a missing schema as :class:`SchemaMissing`, and only
+what the message's data caused as :class:`StoreRejected` (see ``pg_errors``).
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ from consumer_idem.stores.postgres import migrate
 from consumer_idem.stores.postgres.fast_path import FastPath
 from consumer_idem.stores.postgres.maintenance import Maintenance
 from consumer_idem.stores.postgres.outbox import Outbox
+from consumer_idem.stores.postgres.pooler import Pooler, check_pool, validate_pooler
 from consumer_idem.stores.postgres.reconciliation import Reconciliation
 from consumer_idem.stores.postgres.redispatch import RedispatchOutbox
+from consumer_idem.stores.postgres.wrong_node import WrongNode
 from consumer_idem.stores.results import encode_result
 from consumer_idem.types import (
     Decision,
@@ -84,6 +86,10 @@ class PostgresStore(StoreBase):
     (:class:`Outbox`, the transactional outbox: messages handlers publish through
     ``outbox_for(conn)``) and ``maintenance`` (:class:`Maintenance`: sweep, prune, stats and the
     key listing, with typed reports).
+
+    ``pooler="transaction"``: the pool reaches PostgreSQL through a transaction pooler
+    (PgBouncer ``pool_mode=transaction``, most managed providers' pooled ports); create it with
+    ``statement_cache_size=0`` (:func:`~consumer_idem.stores.postgres.pooler.create_pool`).
     """
 
     def __init__(
@@ -97,11 +103,15 @@ class PostgresStore(StoreBase):
         hash_invalid_keys: bool = False,
         command_timeout: float = 30.0,
         cache: CompletedCache | None = None,
+        pooler: Pooler = None,
     ) -> None:
         super().__init__(
             lease=lease, retention=retention, metrics=metrics, hash_invalid_keys=hash_invalid_keys
         )
         self.pool = pool
+        #: ``"transaction"``: behind a transaction pooler, nothing lives on a server connection
+        #: across transactions (see ``consumer_idem.stores.postgres.pooler``)
+        self.pooler = validate_pooler(pooler)
         #: optional Redis cache of completed records (Postgres stays the authority)
         self.cache = cache
         self.schema = migrate.validate_schema(schema)
@@ -112,6 +122,8 @@ class PostgresStore(StoreBase):
         self._reserve_sql = (
             f'SELECT decision, zombie, rec FROM "{self.schema}".reserve($1, $2, $3, $4, $5, $6)'
         )
+        #: episodes of a server that cannot take writes (read-only, in recovery)
+        self.wrong_node = WrongNode()
         self.fast_path = FastPath(self)
         self.reconciliation = Reconciliation(self)
         self.redispatch = RedispatchOutbox(self)
@@ -139,12 +151,20 @@ class PostgresStore(StoreBase):
             except Exception:  # releasing a broken connection must not mask the real error
                 log.debug("releasing a connection failed", exc_info=True)
 
-    def error_for(self, operation: str, exc: BaseException, scope: str = "") -> ConsumerIdemError:
+    def error_for(
+        self, operation: str, exc: BaseException, scope: str = "", conn: Any = None
+    ) -> ConsumerIdemError:
         """The library error for a failed store operation: :class:`StoreUnavailable` for an
-        outage, :class:`SchemaMissing` or :class:`StoreRejected` for what waiting cannot fix."""
+        outage, :class:`SchemaMissing` or :class:`StoreRejected` for what the data caused
+        (see ``pg_errors``). ``conn``: the connection it failed on, closed when the server
+        cannot take writes (see :class:`WrongNode`)."""
         kind = pg_errors.kind_of(exc)
         self.metrics.inc("store_error", scope)
-        log.warning(
+        wrong_node = pg_errors.wrong_node(exc)
+        if wrong_node:  # said once per episode, not once per message
+            self.wrong_node.seen(exc, conn)
+        log.log(
+            logging.DEBUG if wrong_node else logging.WARNING,
             "store %s failed (%s): %s: %s",
             operation,
             kind.__name__,
@@ -152,7 +172,10 @@ class PostgresStore(StoreBase):
             exc,
             extra={"scope": scope, "operation": operation},
         )
-        return kind(pg_errors.describe(operation, exc))
+        error = kind(pg_errors.describe(operation, exc))
+        if wrong_node and isinstance(error, StoreUnavailable):
+            error.said = True
+        return error
 
     @staticmethod
     def is_outage(exc: BaseException) -> bool:
@@ -169,21 +192,32 @@ class PostgresStore(StoreBase):
         """Run ``call`` on ``conn`` or a pooled connection, timed, with every database failure
         turned into the library's error for it (the store's parts all go through here)."""
         started = time.perf_counter()
+        c: Any = None
         try:
             async with self.connection(conn) as c:
                 return await call(c)
         except ConsumerIdemError:
             raise
         except Exception as exc:  # any database failure means: do not proceed
-            raise self.error_for(operation, exc, scope) from exc
+            raise self.error_for(operation, exc, scope, c) from exc
         finally:
             self.metrics.observe(operation, time.perf_counter() - started)
 
     # --- schema --------------------------------------------------------------------------------
 
     async def migrate(self) -> list[int]:
-        """Create or upgrade the schema; safe when several processes run it at once."""
-        return await self.run("migrate", "", None, lambda c: migrate.apply(c, self.schema))
+        """Create or upgrade the schema; safe when several processes run it at once (one
+        transaction: it goes through a transaction pooler too)."""
+
+        async def apply(c: Any) -> list[int]:
+            await self._check_pool(c)
+            return await migrate.apply(c, self.schema)
+
+        return await self.run("migrate", "", None, apply)
+
+    async def _check_pool(self, conn: Any) -> None:
+        if self.pooler == "transaction":
+            await check_pool(conn)
 
     async def check_schema(self) -> None:
         """Fail fast at start-up: raise :class:`SchemaMissing` (naming the command that fixes it)
@@ -191,7 +225,13 @@ class PostgresStore(StoreBase):
         the database cannot be reached. Runners call it before consuming."""
         wanted = max(m.version for m in migrate.available())
         sql = f'SELECT coalesce(max(version), 0) FROM "{self.schema}".schema_migrations'
-        version = await self.run("check_schema", "", None, lambda c: c.fetchval(sql))
+
+        async def check(c: Any) -> int:
+            await self._check_pool(c)
+            found: int = await c.fetchval(sql)
+            return found
+
+        version = await self.run("check_schema", "", None, check)
         if version < wanted:
             raise SchemaMissing(
                 f"the idempotency schema {self.schema!r} is at version {version}, this library "
