@@ -77,6 +77,7 @@ from consumer_idem.transports.settle import RunnerStats
 from consumer_idem.types import (
     Decision,
     DecisionKind,
+    Eviction,
     Executed,
     NotExecuted,
     Outcome,
@@ -101,6 +102,7 @@ __all__ = [
     "Decision",
     "DecisionKind",
     "DomainError",
+    "Eviction",
     "Executed",
     "IdempotencyConfigError",
     "IdempotentConsumer",

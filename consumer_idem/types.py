@@ -180,3 +180,19 @@ class NotExecuted:
 
 
 Resolution = Executed | NotExecuted
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    """What an operator's evict removed (``PostgresStore.evict_record``).
+
+    ``redispatch_to`` names the topic or queue the record's original message will be sent to
+    again: an ``unknown`` or ``failed_retryable`` record whose delivery was acked (its original
+    was kept, or armed by a "not executed" answer) leaves that original armed in the re-dispatch
+    outbox, and the sweeper sends it, so the key runs again as the evict promised. ``None``: no
+    original was kept, and the broker's redelivery (or a dead-letter replay) runs the key."""
+
+    scope: str
+    key: str
+    status: Status  #: the status of the record that was deleted
+    redispatch_to: str | None = None

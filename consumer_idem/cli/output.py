@@ -22,7 +22,10 @@ from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from consumer_idem.types import Eviction, Status
 
 
 class ExitCode(IntEnum):
@@ -225,3 +228,31 @@ class Reporter:
         self._last_line, self._last_text = now, text
         rate = done / max(now - self._started, 1e-9)
         note(f"{self.label}: {text} ({rate:.1f}/s, {age(now - self._started)})")
+
+
+def evict_consequence(status: Status) -> str:
+    """What evicting a record of ``status`` does, for the confirmation prompt."""
+    if status is Status.UNKNOWN:
+        return (
+            "It is unknown: its effect may already have happened. Evicting says it did not: "
+            "the key runs again (its kept original is re-sent by the sweeper). If it may have "
+            "taken effect, reconcile it instead."
+        )
+    if status is Status.IN_PROGRESS:
+        return (
+            "An owner holds it now: if its call may have taken effect, the owner writes the "
+            "record back as unknown; otherwise a later delivery runs the key again."
+        )
+    return "The key becomes new work: it runs again (a kept original is re-sent)."
+
+
+def evicted_line(eviction: Eviction) -> str:
+    """What an evict did, and what runs the key again."""
+    line = f"evicted ({escape(eviction.scope)}, {escape(eviction.key)}), was {eviction.status}"
+    if eviction.redispatch_to is not None:
+        return (
+            f"{line}; its original message is armed: the sweeper (consumer-idem sweep "
+            f"--transport T --scope {escape(eviction.scope)}, or a running reconciler's) sends "
+            f"it again to {escape(eviction.redispatch_to)}, and it runs once"
+        )
+    return f"{line}; a later delivery with this key runs it again"

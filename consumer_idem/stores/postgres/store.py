@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 
 import asyncpg
 
+from consumer_idem.commit import commit, rollback
 from consumer_idem.errors import (
     ConsumerIdemError,
     LeaseLost,
@@ -39,9 +40,11 @@ from consumer_idem.stores.results import encode_result
 from consumer_idem.types import (
     Decision,
     DecisionKind,
+    Eviction,
     Record,
     Resolution,
     ResultKind,
+    Status,
     StoredResponse,
 )
 
@@ -439,31 +442,74 @@ class PostgresStore(StoreBase):
 
     async def evict(self, scope: str, key: str, *, token: uuid.UUID | None = None) -> bool:
         """Delete a record. With ``token``, only while that owner still holds it (an owner
-        cleaning up after itself); without, unconditionally (an operator)."""
-        args: tuple[Any, ...]
-        # a kept original goes with its record: a later record of the same key must never
-        # re-dispatch an older message
-        outbox = f'"{self.schema}".redispatch_outbox'
+        cleaning up after itself); without, as an operator: :meth:`evict_record`."""
         if token is None:
-            sql = (
-                f"WITH kept AS (DELETE FROM {outbox} WHERE scope = $1 AND key = $2)"
-                f" DELETE FROM {self.table} WHERE scope = $1 AND key = $2"
-            )
-            args = (scope, key)
-        else:
-            sql = f"DELETE FROM {self.table} WHERE scope = $1 AND key = $2 AND owner_token = $3"
-            args = (scope, key, token)
+            return await self.evict_record(scope, key) is not None
+        sql = f"DELETE FROM {self.table} WHERE scope = $1 AND key = $2 AND owner_token = $3"
 
         async def call(c: Any) -> Any:
-            return await c.execute(sql, *args, timeout=self.command_timeout)
+            return await c.execute(sql, scope, key, token, timeout=self.command_timeout)
 
-        if self.cache is not None:
-            await self.cache.delete([(scope, key)])
-        status: str = await self.run("evict", scope, None, call)
-        deleted = status.endswith(" 1")
-        if self.cache is not None:  # again, fenced: a read racing the delete cannot re-cache it
-            await self.cache.delete([(scope, key)])
-        if token is not None and not deleted:
+        tag: str = await self._uncached("evict", scope, key, call)
+        deleted = tag.endswith(" 1")
+        if not deleted:
             self.metrics.inc("lease_lost", scope)
             raise LeaseLost(f"evict: ({scope!r}, {key!r}) is no longer held by this owner")
         return deleted
+
+    async def evict_record(self, scope: str, key: str) -> Eviction | None:
+        """An operator's evict: delete the record, so its key is new work. None: no record.
+
+        The key's work is never lost with it. An ``unknown`` or ``failed_retryable`` record
+        may be the only thing standing for a delivery that was acked (its original kept, or
+        armed by a "not executed" answer): that original is armed, due now, in the same
+        transaction, and the sweeper sends it again (``Eviction.redispatch_to``). For any
+        other status a leftover outbox row is stale and goes with the record."""
+
+        async def call(c: Any) -> Eviction | None:
+            # Two statements in one transaction: the DELETE waits for a keep_original holding
+            # the row (FOR SHARE), and the outbox statement then sees what it kept (one
+            # statement's snapshot would predate the wait and orphan the kept original).
+            await c.execute("BEGIN")
+            try:
+                status = await c.fetchval(
+                    f"DELETE FROM {self.table} WHERE scope = $1 AND key = $2 RETURNING status",
+                    scope,
+                    key,
+                    timeout=self.command_timeout,
+                )
+                eviction = None
+                if status is not None:
+                    source = await self.redispatch.after_evict(c, scope, key, Status(status))
+                    eviction = Eviction(scope, key, Status(status), source)
+                await commit(c)
+            except BaseException:
+                await rollback(c)
+                raise
+            return eviction
+
+        eviction = await self._uncached("evict", scope, key, call)
+        if eviction is not None:
+            log.warning(
+                "scope=%s key=%s: evicted by an operator (was %s)%s",
+                scope,
+                key,
+                eviction.status,
+                ""
+                if eviction.redispatch_to is None
+                else f"; its original is armed for re-dispatch to {eviction.redispatch_to}",
+                extra={"scope": scope, "key": key},
+            )
+        return eviction
+
+    async def _uncached(
+        self, operation: str, scope: str, key: str, call: Callable[[Any], Awaitable[T]]
+    ) -> T:
+        """Run a delete of a record with its cache entry dropped before and after (fenced: a
+        read racing the delete cannot re-cache it)."""
+        if self.cache is not None:
+            await self.cache.delete([(scope, key)])
+        result = await self.run(operation, scope, None, call)
+        if self.cache is not None:
+            await self.cache.delete([(scope, key)])
+        return result

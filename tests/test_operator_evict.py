@@ -1,0 +1,156 @@
+"""An operator's `evict` keeps its promise: the key runs again, whatever state it was in.
+
+A two-phase key parked ``unknown`` was acked once its original message was kept in the store;
+a ``failed_retryable`` key resolved "not executed" waits on its armed original. In both the
+record is all that stands for the work: evicting it must leave that original armed, so the
+sweeper sends it again and the handler runs once, never delete it with the record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any
+
+import asyncpg
+import pytest
+from aiokafka import AIOKafkaProducer
+
+from consumer_idem import (
+    Ambiguous,
+    Attempt,
+    ConsumerMessage,
+    NotExecuted,
+    PostgresStore,
+    Status,
+    header,
+    idempotent_consumer,
+)
+from consumer_idem.notice import make_notice
+from consumer_idem.transports.kafka import KafkaRunner
+from tests._cli import cli
+from tests._payments import send_raw, wait_until
+from tests.test_consumer_kafka import FAST
+
+FP = "v1:jcs:x"
+
+
+@pytest.fixture(scope="module")
+async def evicted_effects(pg_pool: asyncpg.Pool, store: PostgresStore) -> None:
+    await pg_pool.execute("CREATE TABLE IF NOT EXISTS evicted_effects (scope text, key text)")
+
+
+async def charges(pool: asyncpg.Pool, scope: str) -> int:
+    return int(await pool.fetchval("SELECT count(*) FROM evicted_effects WHERE scope = $1", scope))
+
+
+async def test_evicting_an_unknown_key_whose_delivery_was_acked_runs_it_again(
+    pg_dsn: str,
+    store: PostgresStore,
+    pg_pool: asyncpg.Pool,
+    evicted_effects: None,
+    kafka_topic_factory: Any,
+    kafka_producer: AIOKafkaProducer,
+    scope: str,
+) -> None:
+    topic = await kafka_topic_factory("evict")
+    reconcile = await kafka_topic_factory("evict.rec")
+    key = f"pay-{uuid.uuid4().hex[:6]}"
+    calls = 0
+
+    @idempotent_consumer(store, scope=scope, key=header("idempotency-key"), mode="two_phase")
+    async def charge(message: ConsumerMessage, attempt: Attempt) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise Ambiguous("gateway read timeout")  # parked unknown, its delivery acked
+        await pg_pool.execute("INSERT INTO evicted_effects VALUES ($1, $2)", scope, key)
+        return {"charged": key}
+
+    runner = KafkaRunner(
+        charge,
+        topics=[topic],
+        group_id=f"{topic}-g",
+        reconcile_topic=reconcile,
+        consumer_options=FAST,
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    try:
+        await send_raw(kafka_producer, topic, [({"idempotency-key": key.encode()}, b'{"n": 1}')])
+
+        async def parked_and_acked() -> bool:
+            return runner.stats.processed >= 1
+
+        await wait_until(parked_and_acked, 60, "the ambiguous delivery to be parked and acked")
+        record = await store.get(scope, key)
+        assert record is not None and record.status is Status.UNKNOWN
+        assert await store.redispatch.kept_original(scope, key) is not None
+
+        # the operator decides it did not take effect, and evicts it
+        code, out, err = await cli("evict", scope, key, "--yes", "--json", dsn=pg_dsn)
+        assert code == 0, err
+        evicted = json.loads(out)
+        assert evicted["evicted"] is True and evicted["status"] == "unknown"
+        # the sweeper an operator runs sends the kept original again
+        code, out, err = await cli(
+            "sweep", "--transport", "kafka", "--scope", scope, "--json", dsn=pg_dsn
+        )
+        assert code == 0, err
+        assert json.loads(out)["redispatched"] == 1, "the evicted key's work was lost"
+
+        async def charged() -> bool:
+            return await charges(pg_pool, scope) >= 1
+
+        await wait_until(charged, 30, "the evicted key to run again")
+        assert evicted["redispatch_to"] == topic
+        await asyncio.sleep(0.5)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+    assert calls == 2 and await charges(pg_pool, scope) == 1
+    record = await store.get(scope, key)
+    assert record is not None and record.status is Status.COMPLETED
+    assert await store.redispatch.kept_original(scope, key) is None  # sent and confirmed
+
+
+async def test_evicting_a_key_resolved_not_executed_keeps_its_armed_original(
+    store: PostgresStore, scope: str
+) -> None:
+    decision = await store.reserve(scope, "k", FP)
+    await store.mark_unknown(scope, "k", decision.token, "timeout")
+    original = ConsumerMessage(b'{"amount": 3}', {"idempotency-key": b"k"}, topic="orders")
+    notice = make_notice(scope, "k", "timeout", source="orders", original=original)
+    assert await store.redispatch.keep_original(scope, "k", notice) is Status.UNKNOWN
+    armed = await store.reconciliation.resolve_not_executed(
+        scope, "k", NotExecuted("no charge"), due_in=3600
+    )
+    assert armed is not None  # due in an hour: not sent yet when the operator evicts
+
+    eviction = await store.evict_record(scope, "k")
+    assert eviction is not None and eviction.status is Status.FAILED_RETRYABLE
+    assert eviction.redispatch_to == "orders"
+    kept = await store.redispatch.kept_original(scope, "k")
+    assert kept is not None and kept.armed and kept.notice.body == b'{"amount": 3}'
+
+
+@pytest.mark.parametrize("status", [Status.COMPLETED, Status.EXPIRED])
+async def test_evicting_a_settled_key_drops_a_stale_outbox_row(
+    store: PostgresStore, pg_pool: asyncpg.Pool, scope: str, status: Status
+) -> None:
+    decision = await store.reserve(scope, "k", FP)
+    await store.mark_unknown(scope, "k", decision.token, "timeout")
+    original = ConsumerMessage(b"{}", {"idempotency-key": b"k"}, topic="orders")
+    notice = make_notice(scope, "k", "timeout", source="orders", original=original)
+    await store.redispatch.keep_original(scope, "k", notice)
+    await pg_pool.execute(
+        f"UPDATE {store.table} SET status = $3 WHERE scope = $1 AND key = $2",
+        scope,
+        "k",
+        status.value,
+    )
+    eviction = await store.evict_record(scope, "k")
+    assert eviction is not None and eviction.status is status and eviction.redispatch_to is None
+    assert await store.redispatch.kept_original(scope, "k") is None
+    assert await store.evict_record(scope, "k") is None
