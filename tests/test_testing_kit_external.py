@@ -1,0 +1,152 @@
+"""The testing kit reaches the handler's own external call (``ExternalCall``), on the real
+PostgreSQL: a call that takes effect on the far side and then fails on ours.
+
+A two-phase handler that turns that failure into ``Retryable`` charges twice (the retry makes
+the call again); one that raises ``Ambiguous`` parks the key ``unknown`` and reconciliation
+finds the charge. Every other scenario passes both: only a fault inside the call tells them
+apart.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import Counter
+from typing import Any
+
+import asyncpg
+import pytest
+
+from consumer_idem import (
+    Ambiguous,
+    Attempt,
+    ConsumerMessage,
+    IdempotentConsumer,
+    PostgresStore,
+    Retryable,
+    idempotent_consumer,
+)
+from consumer_idem.testing import ExternalCall, NotIdempotent, assert_idempotent, scenario_names
+
+TOOK_EFFECT = "the call took effect, then failed"
+
+
+class GatewayTimeout(Exception):
+    """What the fake gateway's client raises when no answer came in time."""
+
+
+class FakeGateway:
+    """A far side that charges on every request (it keeps no idempotency keys)."""
+
+    def __init__(self) -> None:
+        self.charges: Counter[str] = Counter()
+
+    async def charge(self, payment: str, amount: int) -> dict[str, Any]:
+        self.charges[payment] += 1
+        return {"charge": f"ch_{payment}", "amount": amount}
+
+
+def make_message() -> ConsumerMessage:
+    key = uuid.uuid4().hex
+    return ConsumerMessage(
+        json.dumps({"payment": key, "amount": 5}).encode(), {"idempotency-key": key.encode()}
+    )
+
+
+def charging(
+    store: PostgresStore, scope: str, call: Any, on_timeout: type[Exception]
+) -> IdempotentConsumer:
+    """A two-phase handler built on the call it makes (as a factory taking a client is)."""
+
+    @idempotent_consumer(store, scope=scope, mode="two_phase")
+    async def charge(message: ConsumerMessage, attempt: Attempt) -> dict[str, Any]:
+        body = message.json()
+        try:
+            result: dict[str, Any] = await call(body["payment"], body["amount"])
+        except GatewayTimeout as exc:
+            raise on_timeout(f"gateway timeout: {exc}") from exc
+        return result
+
+    return charge
+
+
+@pytest.mark.parametrize("on_timeout", [Ambiguous, Retryable])
+async def test_every_other_scenario_passes_a_handler_whatever_it_makes_of_a_timeout(
+    idem_store: PostgresStore, on_timeout: type[Exception]
+) -> None:
+    gateway = FakeGateway()
+    call = ExternalCall(gateway.charge, failure=lambda: GatewayTimeout("read timeout"))
+    consumer = charging(idem_store, f"kit.{on_timeout.__name__}", call, on_timeout)
+
+    async def charged(conn: asyncpg.Connection, message: ConsumerMessage) -> int:
+        return gateway.charges[message.json()["payment"]]
+
+    # without the call reached, the Retryable handler looks as safe as the Ambiguous one
+    report = await assert_idempotent(consumer, make_message, charged)
+    assert report.not_applicable == ["commit rolled back", TOOK_EFFECT]
+
+
+async def test_a_handler_taking_a_timeout_after_the_charge_for_retryable_is_caught(
+    idem_store: PostgresStore,
+) -> None:
+    gateway = FakeGateway()
+    call = ExternalCall(gateway.charge, failure=lambda: GatewayTimeout("read timeout"))
+    consumer = charging(idem_store, "kit.retryable", call, Retryable)
+
+    async def charged(conn: asyncpg.Connection, message: ConsumerMessage) -> int:
+        return gateway.charges[message.json()["payment"]]
+
+    with pytest.raises(NotIdempotent) as caught:
+        await assert_idempotent(consumer, make_message, charged, external=call)
+    assert caught.value.scenario == TOOK_EFFECT
+    message = str(caught.value)
+    assert "after redelivery, the effect is 2; one clean delivery gives 1" in message
+    assert "the call took effect, then raised GatewayTimeout" in message
+    assert "the handler raised Retryable(gateway timeout: read timeout)" in message
+    assert "is Ambiguous" in message and "never Retryable" in message
+
+
+async def test_a_handler_taking_a_timeout_after_the_charge_for_ambiguous_passes(
+    idem_store: PostgresStore,
+) -> None:
+    gateway = FakeGateway()
+    call = ExternalCall(gateway.charge, failure=lambda: GatewayTimeout("read timeout"))
+    consumer = charging(idem_store, "kit.ambiguous", call, Ambiguous)
+
+    async def charged(conn: asyncpg.Connection, message: ConsumerMessage) -> int:
+        return gateway.charges[message.json()["payment"]]
+
+    report = await assert_idempotent(consumer, make_message, charged, external=call)
+    assert TOOK_EFFECT in report.passed and report.not_applicable == ["commit rolled back"]
+    assert report.passed == [
+        n for n in scenario_names(consumer, external=True) if n != "commit rolled back"
+    ]
+    assert len(call.raised) == 1  # fired once, in its own scenario
+
+
+async def test_a_transactional_handler_calling_another_service_is_caught_in_the_call(
+    idem_store: PostgresStore,
+) -> None:
+    gateway = FakeGateway()
+    call = ExternalCall(gateway.charge)  # the default failure: a TimeoutError
+
+    @idempotent_consumer(idem_store, scope="kit.tx_call")
+    async def book(message: ConsumerMessage, conn: asyncpg.Connection) -> None:
+        body = message.json()
+        await call(body["payment"], body["amount"])
+
+    async def charged(conn: asyncpg.Connection, message: ConsumerMessage) -> int:
+        return gateway.charges[message.json()["payment"]]
+
+    with pytest.raises(NotIdempotent) as caught:
+        await assert_idempotent(book, make_message, charged, external=call, scenarios=[TOOK_EFFECT])
+    assert caught.value.scenario == TOOK_EFFECT
+    assert "raised TimeoutError" in str(caught.value)
+    assert "make it a two-phase handler" in str(caught.value)
+
+
+async def test_an_external_call_outside_the_kit_only_passes_through() -> None:
+    gateway = FakeGateway()
+    call = ExternalCall(gateway.charge)
+    assert await call("p1", 5) == {"charge": "ch_p1", "amount": 5}
+    assert gateway.charges == Counter({"p1": 1}) and call.raised == []
