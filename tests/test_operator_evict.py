@@ -154,3 +154,48 @@ async def test_evicting_a_settled_key_drops_a_stale_outbox_row(
     assert eviction is not None and eviction.status is status and eviction.redispatch_to is None
     assert await store.redispatch.kept_original(scope, "k") is None
     assert await store.evict_record(scope, "k") is None
+
+
+async def test_an_original_kept_while_an_operator_evicts_is_armed_not_orphaned(
+    store: PostgresStore, pg_pool: asyncpg.Pool, scope: str
+) -> None:
+    decision = await store.reserve(scope, "k", FP)
+    await store.mark_unknown(scope, "k", decision.token, "timeout")
+    original = ConsumerMessage(b'{"amount": 4}', {"idempotency-key": b"k"}, topic="orders")
+    notice = make_notice(scope, "k", "met unknown", source="orders", original=original)
+
+    async def waiting() -> int:
+        return int(
+            await pg_pool.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND datname = current_database()"
+            )
+        )
+
+    async def until_waiting(n: int) -> None:
+        for _ in range(250):
+            if await waiting() >= n:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"never {n} waiting on the row: nothing was raced")
+
+    holder = await pg_pool.acquire()
+    try:
+        # a delivery keeps its original, and an operator evicts the key, both queued on the row
+        await holder.execute("BEGIN")
+        await holder.execute(
+            f"SELECT 1 FROM {store.table} WHERE scope = $1 AND key = 'k' FOR UPDATE", scope
+        )
+        keeping = asyncio.create_task(store.redispatch.keep_original(scope, "k", notice))
+        await until_waiting(1)
+        evicting = asyncio.create_task(store.evict_record(scope, "k"))
+        await until_waiting(2)
+        await holder.execute("COMMIT")
+        status = await asyncio.wait_for(keeping, 10)
+        eviction = await asyncio.wait_for(evicting, 10)
+    finally:
+        await pg_pool.release(holder)
+    assert status is Status.UNKNOWN  # kept first: its delivery is acked on that original
+    assert eviction is not None and eviction.redispatch_to == "orders"
+    kept = await store.redispatch.kept_original(scope, "k")
+    assert kept is not None and kept.armed, "the kept original was orphaned: the work is lost"
