@@ -240,8 +240,9 @@ def evict_consequence(status: Status) -> str:
         )
     if status is Status.IN_PROGRESS:
         return (
-            "An owner holds it now: if its call may have taken effect, the owner writes the "
-            "record back as unknown; otherwise a later delivery runs the key again."
+            "A worker may hold it now: it writes the record back as unknown when its call "
+            "ends, but a duplicate delivered before that runs again. Unless its lease has "
+            "run out, wait for it."
         )
     return "The key becomes new work: it runs again (a kept original is re-sent)."
 
