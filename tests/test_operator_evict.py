@@ -199,3 +199,39 @@ async def test_an_original_kept_while_an_operator_evicts_is_armed_not_orphaned(
     assert eviction is not None and eviction.redispatch_to == "orders"
     kept = await store.redispatch.kept_original(scope, "k")
     assert kept is not None and kept.armed, "the kept original was orphaned: the work is lost"
+
+
+async def test_the_cli_says_where_an_evicted_keys_original_goes(
+    pg_dsn: str, store: PostgresStore, scope: str
+) -> None:
+    decision = await store.reserve(scope, "k", FP)
+    await store.mark_unknown(scope, "k", decision.token, "timeout")
+    original = ConsumerMessage(b"{}", {"idempotency-key": b"k"}, topic="orders.v2")
+    notice = make_notice(scope, "k", "timeout", source="orders.v2", original=original)
+    await store.redispatch.keep_original(scope, "k", notice)
+    code, out, err = await cli("evict", scope, "k", "--yes", dsn=pg_dsn)
+    assert code == 0, err
+    assert f"evicted ({scope}, k), was unknown" in out
+    assert "sends it again to orders.v2" in out and "sweep --transport" in out
+
+
+async def test_pruning_a_key_resolved_not_executed_keeps_its_armed_original(
+    store: PostgresStore, pg_pool: asyncpg.Pool, scope: str
+) -> None:
+    decision = await store.reserve(scope, "k", FP)
+    await store.mark_unknown(scope, "k", decision.token, "timeout")
+    original = ConsumerMessage(b"{}", {"idempotency-key": b"k"}, topic="orders")
+    notice = make_notice(scope, "k", "timeout", source="orders", original=original)
+    await store.redispatch.keep_original(scope, "k", notice)
+    await store.reconciliation.resolve_not_executed(
+        scope, "k", NotExecuted("no charge"), due_in=3600
+    )
+    await pg_pool.execute(
+        f"UPDATE {store.table} SET expires_at = now() - interval '1 s'"
+        " WHERE scope = $1 AND key = 'k'",
+        scope,
+    )
+    await store.maintenance.prune()
+    assert await store.get(scope, "k") is None  # past retention: pruned
+    kept = await store.redispatch.kept_original(scope, "k")
+    assert kept is not None and kept.armed  # still sent by the sweeper: the work runs
