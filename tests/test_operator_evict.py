@@ -21,6 +21,7 @@ from consumer_idem import (
     Ambiguous,
     Attempt,
     ConsumerMessage,
+    DecisionKind,
     NotExecuted,
     PostgresStore,
     Status,
@@ -235,3 +236,22 @@ async def test_pruning_a_key_resolved_not_executed_keeps_its_armed_original(
     assert await store.get(scope, "k") is None  # past retention: pruned
     kept = await store.redispatch.kept_original(scope, "k")
     assert kept is not None and kept.armed  # still sent by the sweeper: the work runs
+
+
+async def test_a_key_a_worker_holds_is_not_evicted_under_its_running_call(
+    pg_dsn: str, store: PostgresStore, pg_pool: asyncpg.Pool, scope: str
+) -> None:
+    held = await store.reserve(scope, "k", FP, lease=60)  # a two-phase call on the wire
+    code, _, err = await cli("evict", scope, "k", "--yes", dsn=pg_dsn)
+    assert code == 2 and "held by a worker until" in err and "nothing evicted" in err
+    record = await store.get(scope, "k")
+    assert record is not None and record.owner_token == held.token  # untouched
+    assert (await store.reserve(scope, "k", FP)).kind is DecisionKind.IN_PROGRESS
+    # once its lease ran out the operator may decide: evicting then runs it again
+    await pg_pool.execute(
+        f"UPDATE {store.table} SET locked_until = now() - interval '1 s'"
+        " WHERE scope = $1 AND key = 'k'",
+        scope,
+    )
+    code, out, err = await cli("evict", scope, "k", "--yes", "--json", dsn=pg_dsn)
+    assert code == 0 and json.loads(out)["status"] == "in_progress", err

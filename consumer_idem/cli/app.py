@@ -16,7 +16,7 @@ import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager, suppress
 from dataclasses import asdict, dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Annotated, Any, TypeVar
 
@@ -34,6 +34,7 @@ from consumer_idem.cli.output import (
     evict_consequence,
     evicted_line,
     fail,
+    held_line,
     note,
     parse_duration,
     setup_logging,
@@ -458,7 +459,8 @@ def build_app() -> Any:
         An unknown or failed_retryable key whose delivery was acked is not lost: its kept
         original message is armed in the same transaction, and the sweeper (`sweep
         --transport`, or a running reconciler's) sends it again to its topic or queue. Evicting
-        an unknown key says it did not take effect: if it may have, reconcile it instead."""
+        an unknown key says it did not take effect: if it may have, reconcile it instead. A key
+        a worker holds (in_progress, lease running) is not evicted: wait for it."""
 
         async def known(store: PostgresStore) -> Record:
             await known_scope(store, scope)
@@ -469,6 +471,9 @@ def build_app() -> Any:
 
         if not yes:
             record = store_call(dsn, schema, known)
+            held = record.locked_until if record.status is Status.IN_PROGRESS else None
+            if held is not None and held > datetime.now(UTC):  # the DELETE checks it again
+                fail(held_line(Eviction(scope, key, record.status, held_until=held)))
             if not typer.confirm(f"Evict ({scope}, {key})? {evict_consequence(record.status)}"):
                 fail("not confirmed; nothing evicted")
 
@@ -479,6 +484,8 @@ def build_app() -> Any:
         eviction = store_call(dsn, schema, op)
         if eviction is None:
             fail(f"no record for key {key!r} in scope {scope!r}")
+        if not eviction.evicted:
+            fail(held_line(eviction))
         emit(
             {
                 "evicted": True,

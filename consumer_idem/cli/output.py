@@ -240,11 +240,21 @@ def evict_consequence(status: Status) -> str:
         )
     if status is Status.IN_PROGRESS:
         return (
-            "A worker may hold it now: it writes the record back as unknown when its call "
-            "ends, but a duplicate delivered before that runs again. Unless its lease has "
-            "run out, wait for it."
+            "Its worker's lease has run out: its call may have taken effect (`consumer-idem "
+            "sweep` parks it as unknown for reconciliation). Evicting runs it again."
         )
     return "The key becomes new work: it runs again (a kept original is re-sent)."
+
+
+def held_line(eviction: Eviction) -> str:
+    """Why an evict left a record as it is."""
+    until = eviction.held_until.isoformat(timespec="seconds") if eviction.held_until else "?"
+    return (
+        f"({eviction.scope}, {eviction.key}) is held by a worker until {until}: nothing "
+        "evicted (deleted under a running call, a duplicate delivered before the call ends "
+        "would run it again). Wait for the worker to finish, or for its lease to run out "
+        "(`consumer-idem sweep` then parks it as unknown), and decide then"
+    )
 
 
 def evicted_line(eviction: Eviction) -> str:

@@ -444,7 +444,8 @@ class PostgresStore(StoreBase):
         """Delete a record. With ``token``, only while that owner still holds it (an owner
         cleaning up after itself); without, as an operator: :meth:`evict_record`."""
         if token is None:
-            return await self.evict_record(scope, key) is not None
+            # a held record too: its owner then writes it back as unknown (claim._fenced)
+            return await self.evict_record(scope, key, while_held=True) is not None
         sql = f"DELETE FROM {self.table} WHERE scope = $1 AND key = $2 AND owner_token = $3"
 
         async def call(c: Any) -> Any:
@@ -457,8 +458,14 @@ class PostgresStore(StoreBase):
             raise LeaseLost(f"evict: ({scope!r}, {key!r}) is no longer held by this owner")
         return deleted
 
-    async def evict_record(self, scope: str, key: str) -> Eviction | None:
+    async def evict_record(
+        self, scope: str, key: str, *, while_held: bool = False
+    ) -> Eviction | None:
         """An operator's evict: delete the record, so its key is new work. None: no record.
+
+        A record a worker holds (``in_progress``, its lease not run out) is left as it is
+        (``Eviction.held_until`` says until when) unless ``while_held``: deleted under a
+        running call, a duplicate delivered before that call ends would run it again.
 
         The key's work is never lost with it. An ``unknown`` or ``failed_retryable`` record
         may be the only thing standing for a delivery that was acked (its original kept, or
@@ -473,15 +480,28 @@ class PostgresStore(StoreBase):
             await c.execute("BEGIN")
             try:
                 status = await c.fetchval(
-                    f"DELETE FROM {self.table} WHERE scope = $1 AND key = $2 RETURNING status",
+                    f"DELETE FROM {self.table} WHERE scope = $1 AND key = $2 AND ($3"
+                    " OR status <> 'in_progress' OR locked_until <= clock_timestamp())"
+                    " RETURNING status",
                     scope,
                     key,
+                    while_held,
                     timeout=self.command_timeout,
                 )
                 eviction = None
                 if status is not None:
                     source = await self.redispatch.after_evict(c, scope, key, Status(status))
                     eviction = Eviction(scope, key, Status(status), source)
+                else:
+                    held = await c.fetchval(
+                        f"SELECT locked_until FROM {self.table} WHERE scope = $1 AND key = $2"
+                        " AND status = 'in_progress'",
+                        scope,
+                        key,
+                        timeout=self.command_timeout,
+                    )
+                    if held is not None:
+                        eviction = Eviction(scope, key, Status.IN_PROGRESS, held_until=held)
                 await commit(c)
             except BaseException:
                 await rollback(c)
@@ -489,7 +509,7 @@ class PostgresStore(StoreBase):
             return eviction
 
         eviction = await self._uncached("evict", scope, key, call)
-        if eviction is not None:
+        if eviction is not None and eviction.evicted:
             log.warning(
                 "scope=%s key=%s: evicted by an operator (was %s)%s",
                 scope,
