@@ -9,6 +9,7 @@ apart.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections import Counter
@@ -150,3 +151,30 @@ async def test_an_external_call_outside_the_kit_only_passes_through() -> None:
     call = ExternalCall(gateway.charge)
     assert await call("p1", 5) == {"charge": "ch_p1", "amount": 5}
     assert gateway.charges == Counter({"p1": 1}) and call.raised == []
+
+
+async def test_one_call_of_a_delivery_fails_when_a_handler_makes_several(
+    idem_store: PostgresStore,
+) -> None:
+    gateway, ledger = FakeGateway(), FakeGateway()
+    charge = ExternalCall(gateway.charge, failure=lambda: GatewayTimeout("read timeout"))
+    book = ExternalCall(ledger.charge, failure=lambda: GatewayTimeout("read timeout"))
+
+    @idempotent_consumer(idem_store, scope="kit.two_calls", mode="two_phase")
+    async def pay(message: ConsumerMessage, attempt: Attempt) -> None:
+        body = message.json()
+        try:  # both calls at once: whichever ends first fails, the other answers
+            await asyncio.gather(
+                charge(body["payment"], body["amount"]), book(body["payment"], body["amount"])
+            )
+        except GatewayTimeout as exc:
+            raise Ambiguous("timeout") from exc
+
+    async def effect(conn: asyncpg.Connection, message: ConsumerMessage) -> int:
+        return gateway.charges[message.json()["payment"]]
+
+    report = await assert_idempotent(
+        pay, make_message, effect, external=[charge, book], scenarios=[TOOK_EFFECT]
+    )
+    assert report.passed == ["clean delivery", TOOK_EFFECT]
+    assert len(charge.raised) + len(book.raised) == 1

@@ -43,12 +43,15 @@ class ExternalCall(Generic[P, T]):
         self.call = call
         self.failure = failure
         self._armed = False
+        self._fired: Callable[[], None] | None = None
         #: the failures raised after the call took effect, oldest first
         self.raised: list[BaseException] = []
 
-    def arm(self) -> None:
-        """The next call takes effect, then raises ``failure()``."""
+    def arm(self, fired: Callable[[], None] | None = None) -> None:
+        """The next call takes effect, then raises ``failure()``; ``fired()`` is called just
+        before (the kit disarms the handler's other calls: only one fails per delivery)."""
         self._armed = True
+        self._fired = fired
 
     def disarm(self) -> bool:
         """Disarm; True when it was still armed (the handler did not make the call)."""
@@ -57,7 +60,10 @@ class ExternalCall(Generic[P, T]):
 
     async def __call__(self, *args: P.args, **kwargs: P.kwargs) -> T:
         result = await self.call(*args, **kwargs)
+        fired = self._fired
         if self.disarm():
+            if fired is not None:
+                fired()
             failure = self.failure()
             self.raised.append(failure)
             raise failure

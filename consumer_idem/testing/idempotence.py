@@ -235,7 +235,7 @@ class _Kit:
         self.concurrency = concurrency
         self.external = external
         #: what the handler made of its call's failure after it took effect (the exception it
-        #: raised, or "returned"), for the message of a scenario that then fails
+        #: raised, or "returned normally"), for the message of a scenario that then fails
         self.after_external: str | None = None
         #: the kit's own fault armed for the next handler call
         self.inject: str | None = None
@@ -472,8 +472,13 @@ class _Kit:
     ) -> Any:
         """Run the handler with its external calls armed: the first one it makes takes effect,
         then raises. Note what the handler made of it."""
+
+        def disarm_all() -> None:
+            for call in self.external:
+                call.disarm()
+
         for call in self.external:
-            call.arm()
+            call.arm(disarm_all)
         fired = [len(call.raised) for call in self.external]
 
         def took_effect() -> bool:
