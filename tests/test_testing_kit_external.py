@@ -177,4 +177,39 @@ async def test_one_call_of_a_delivery_fails_when_a_handler_makes_several(
         pay, make_message, effect, external=[charge, book], scenarios=[TOOK_EFFECT]
     )
     assert report.passed == ["clean delivery", TOOK_EFFECT]
-    assert len(charge.raised) + len(book.raised) == 1
+    # a run per call of the clean delivery (two), one call failing in each
+    assert len(charge.raised) + len(book.raised) == 2
+
+
+async def test_a_handler_right_on_its_first_call_and_wrong_on_its_second_is_caught(
+    idem_store: PostgresStore,
+) -> None:
+    """The kit fails each call of a delivery in turn, not only the first: a lookup whose
+    timeout is rightly ``Retryable`` (a read), then a charge whose timeout is wrongly so."""
+    gateway = FakeGateway()
+
+    async def lookup(payment: str) -> dict[str, Any]:
+        return {"customer": payment}  # a read: no effect on the far side
+
+    find = ExternalCall(lookup, failure=lambda: GatewayTimeout("read timeout"))
+    charge = ExternalCall(gateway.charge, failure=lambda: GatewayTimeout("read timeout"))
+
+    @idempotent_consumer(idem_store, scope="kit.second_call", mode="two_phase")
+    async def pay(message: ConsumerMessage, attempt: Attempt) -> Any:
+        body = message.json()
+        try:
+            await find(body["payment"])
+            return await charge(body["payment"], body["amount"])
+        except GatewayTimeout as exc:
+            raise Retryable("gateway timeout") from exc
+
+    async def charged(conn: asyncpg.Connection, message: ConsumerMessage) -> int:
+        return gateway.charges[message.json()["payment"]]
+
+    with pytest.raises(NotIdempotent) as caught:
+        await assert_idempotent(
+            pay, make_message, charged, external=[find, charge], scenarios=[TOOK_EFFECT]
+        )
+    assert "after redelivery, the effect is 2; one clean delivery gives 1" in str(caught.value)
+    assert "call 2 of the 2 one clean delivery makes" in str(caught.value)
+    assert len(find.raised) == 1 and len(charge.raised) == 1

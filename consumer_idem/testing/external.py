@@ -6,9 +6,9 @@ to a two-phase handler: a call that *took effect* on the far side (the card was 
 then failed on our side (the answer timed out). A handler that turns that failure into
 ``Retryable`` makes the call again on the retry, and charges twice; one that raises
 ``Ambiguous`` parks the key ``unknown``, and reconciliation finds the charge. Build your handler
-on the call it makes (a factory taking the client, or the client's method), wrap that call in an
-``ExternalCall`` in the test, and pass it to ``assert_idempotent(..., external=call)``: the kit
-then makes one call of a delivery take effect and raise.
+on the calls it makes (a factory taking the client, or the client's method), wrap each in an
+``ExternalCall`` in the test, and pass them to ``assert_idempotent(..., external=[...])``: the
+kit then makes each call of a delivery, in turn, take effect and raise (one call per delivery).
 
 Outside the kit an ``ExternalCall`` only passes the call through.
 """
@@ -29,10 +29,10 @@ def _read_timeout() -> BaseException:
 class ExternalCall(Generic[P, T]):
     """Wraps ``call`` (an async function: a fake gateway's or a client's method).
 
-    Awaiting the wrapper awaits ``call``. While :func:`assert_idempotent` has it armed, the
-    next call takes effect (``call`` runs to its end) and then raises ``failure()`` (default: a
-    ``TimeoutError``; pass e.g. ``lambda: httpx.ReadTimeout("lost")`` for what your client
-    raises), as a read timeout after the far side acted does."""
+    Awaiting the wrapper awaits ``call``. While :func:`assert_idempotent` has it armed, a call
+    the kit picks takes effect (``call`` runs to its end) and then raises ``failure()``
+    (default: a ``TimeoutError``; pass e.g. ``lambda: httpx.ReadTimeout("lost")`` for what your
+    client raises), as a read timeout after the far side acted does."""
 
     def __init__(
         self,
@@ -42,28 +42,24 @@ class ExternalCall(Generic[P, T]):
     ) -> None:
         self.call = call
         self.failure = failure
-        self._armed = False
-        self._fired: Callable[[], None] | None = None
+        self._fails: Callable[[], bool] | None = None
         #: the failures raised after the call took effect, oldest first
         self.raised: list[BaseException] = []
 
-    def arm(self, fired: Callable[[], None] | None = None) -> None:
-        """The next call takes effect, then raises ``failure()``; ``fired()`` is called just
-        before (the kit disarms the handler's other calls: only one fails per delivery)."""
-        self._armed = True
-        self._fired = fired
+    def arm(self, fails: Callable[[], bool]) -> None:
+        """Each call that ends asks ``fails()`` whether it fails (after taking effect). The kit
+        counts the calls of a delivery across all its ``ExternalCall``s there, so that each
+        call the handler makes, not only its first, is the one that fails in some run."""
+        self._fails = fails
 
-    def disarm(self) -> bool:
-        """Disarm; True when it was still armed (the handler did not make the call)."""
-        armed, self._armed = self._armed, False
-        return armed
+    def disarm(self) -> None:
+        """Calls pass through again."""
+        self._fails = None
 
     async def __call__(self, *args: P.args, **kwargs: P.kwargs) -> T:
         result = await self.call(*args, **kwargs)
-        fired = self._fired
-        if self.disarm():
-            if fired is not None:
-                fired()
+        fails = self._fails
+        if fails is not None and fails():
             failure = self.failure()
             self.raised.append(failure)
             raise failure

@@ -172,10 +172,11 @@ async def assert_idempotent(
     * ``scenarios``: run only these (names from :func:`scenario_names`; the clean delivery
       always runs first, as every scenario's reference).
     * ``external``: the handler's calls to other services, each wrapped in an
-      :class:`ExternalCall` the handler awaits. In "the call took effect, then failed" the
-      first such call of a delivery runs to its end and then raises (a read timeout): the
-      handler must not make it again (``Ambiguous``: parked ``unknown`` and reconciled, or a
-      far side that dedupes by ``attempt.downstream_key``). ``effect`` must see the call's
+      :class:`ExternalCall` the handler awaits. "The call took effect, then failed" runs once
+      per call one clean delivery makes: in the n-th run the n-th call of the delivery runs
+      to its end and then raises (a read timeout): the handler must not make it again
+      (``Ambiguous``: parked ``unknown`` and reconciled, or a far side that dedupes by
+      ``attempt.downstream_key``). ``effect`` must see the call's
       effect (the fake service's charges for the message).
 
     The scenarios: the clean delivery (executed once, acked, its record ``completed``);
@@ -234,6 +235,10 @@ class _Kit:
         self.resolver = resolver
         self.concurrency = concurrency
         self.external = external
+        #: external calls one clean delivery made, and which one fails in this run (1-based)
+        self.clean_calls = 0
+        self.calls_made = 0
+        self.fail_call = 1
         #: what the handler made of its call's failure after it took effect (the exception it
         #: raised, or "returned normally"), for the message of a scenario that then fails
         self.after_external: str | None = None
@@ -261,17 +266,48 @@ class _Kit:
             chosen = [s for s in chosen if s.name in names]
         report = Report(self.consumer.mode, self.batch, None)
         try:
-            await self._clean_delivery()
+            self._arm_external(lambda: False)  # counts the calls one clean delivery makes
+            try:
+                await self._clean_delivery()
+                self.clean_calls = self.calls_made
+            finally:
+                self._disarm_external()
             report.clean_effect = self.clean
             report.passed.append(CLEAN)
             for scenario in chosen:
-                if await self._run(scenario):
+                if await self._run_each_call(scenario):
                     report.passed.append(scenario.name)
                 else:
                     report.not_applicable.append(scenario.name)
         finally:
             self.faulty.disarm()
         return report
+
+    async def _run_each_call(self, scenario: _Scenario) -> bool:
+        """Run ``scenario``; "the call took effect, then failed" once per external call one
+        clean delivery makes, each run failing the next one (a handler may get its first call
+        right and its second wrong). False when its fault found no place to fire."""
+        if scenario.inject != "took_effect":
+            return await self._run(scenario)
+        fired = False
+        for nth in range(1, max(self.clean_calls, 1) + 1):
+            self.fail_call = nth
+            fired = await self._run(scenario) or fired
+        return fired
+
+    def _arm_external(self, fails: Callable[[], bool]) -> None:
+        self.calls_made = 0
+
+        def counted() -> bool:
+            self.calls_made += 1
+            return fails()
+
+        for call in self.external:
+            call.arm(counted)
+
+    def _disarm_external(self) -> None:
+        for call in self.external:
+            call.disarm()
 
     async def _clean_delivery(self) -> None:
         message, key = await self._fresh(CLEAN)
@@ -470,15 +506,9 @@ class _Kit:
     async def _took_effect(
         self, handler: Callable[..., Awaitable[Any]], work: Any, context: Any
     ) -> Any:
-        """Run the handler with its external calls armed: the first one it makes takes effect,
-        then raises. Note what the handler made of it."""
-
-        def disarm_all() -> None:
-            for call in self.external:
-                call.disarm()
-
-        for call in self.external:
-            call.arm(disarm_all)
+        """Run the handler with its external calls armed: its ``fail_call``-th call takes
+        effect, then raises (only that one). Note what the handler made of it."""
+        self._arm_external(lambda: self.calls_made == self.fail_call)
         fired = [len(call.raised) for call in self.external]
 
         def took_effect() -> bool:
@@ -491,15 +521,17 @@ class _Kit:
                 self.after_external = f"raised {type(exc).__name__}({exc})"
             raise
         finally:
-            for call in self.external:
-                call.disarm()
+            self._disarm_external()
             if took_effect():
                 failure = next(
                     c.raised[-1]
                     for c, n in zip(self.external, fired, strict=True)
                     if len(c.raised) > n
                 )
-                self.events.append(f"the call took effect, then raised {type(failure).__name__}")
+                self.events.append(
+                    f"the call took effect, then raised {type(failure).__name__}"
+                    f" (call {self.fail_call} of the {self.clean_calls} one clean delivery makes)"
+                )
         self.after_external = "returned normally"
         return result
 
