@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -18,10 +19,12 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from consumer_idem import (
+    Action,
     Ambiguous,
     Attempt,
     ConsumerMessage,
     DecisionKind,
+    KeyHeld,
     NotExecuted,
     PostgresStore,
     Status,
@@ -255,3 +258,38 @@ async def test_a_key_a_worker_holds_is_not_evicted_under_its_running_call(
     )
     code, out, err = await cli("evict", scope, "k", "--yes", "--json", dsn=pg_dsn)
     assert code == 0 and json.loads(out)["status"] == "in_progress", err
+
+
+async def test_store_evict_refuses_a_key_a_worker_holds_and_a_duplicate_does_not_charge_again(
+    store: PostgresStore, scope: str
+) -> None:
+    """``store.evict(scope, key)`` is the operator's evict in code: it refuses a held key as the
+    CLI does, so a duplicate delivered while the call is on the wire waits, and never runs the
+    charge a second time."""
+    charges = 0
+    on_the_wire, answer = asyncio.Event(), asyncio.Event()
+
+    @idempotent_consumer(store, scope=scope, mode="two_phase", key=header("idempotency-key"))
+    async def charge(message: ConsumerMessage, attempt: Attempt) -> Any:
+        nonlocal charges
+        charges += 1
+        on_the_wire.set()
+        await answer.wait()
+        return {"charged": True}
+
+    def delivery() -> ConsumerMessage:
+        return ConsumerMessage(b'{"n": 1}', {"idempotency-key": b"k"})
+
+    first = asyncio.create_task(charge.process(delivery()))
+    await asyncio.wait_for(on_the_wire.wait(), 10)
+    with pytest.raises(KeyHeld) as refused:
+        await store.evict(scope, "k")
+    assert refused.value.held_until > datetime.now(UTC)
+    duplicate = await charge.process(delivery())
+    assert duplicate.reason == "in_progress"  # it waits for the worker, it does not run
+    answer.set()
+    done = await asyncio.wait_for(first, 10)
+    assert done.action is Action.ACK and charges == 1
+    record = await store.get(scope, "k")
+    assert record is not None and record.status is Status.COMPLETED
+    assert await store.evict(scope, "k") is True  # a settled key is evicted as before

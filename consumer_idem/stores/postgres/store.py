@@ -22,6 +22,7 @@ import asyncpg
 from consumer_idem.commit import commit, rollback
 from consumer_idem.errors import (
     ConsumerIdemError,
+    KeyHeld,
     LeaseLost,
     SchemaMissing,
     StoreUnavailable,
@@ -442,10 +443,13 @@ class PostgresStore(StoreBase):
 
     async def evict(self, scope: str, key: str, *, token: uuid.UUID | None = None) -> bool:
         """Delete a record. With ``token``, only while that owner still holds it (an owner
-        cleaning up after itself); without, as an operator: :meth:`evict_record`."""
+        cleaning up after itself); without, as an operator (:meth:`evict_record`): False when
+        there is no record, :class:`KeyHeld` when a worker holds it (nothing evicted)."""
         if token is None:
-            # a held record too: its owner then writes it back as unknown (claim._fenced)
-            return await self.evict_record(scope, key, while_held=True) is not None
+            eviction = await self.evict_record(scope, key)
+            if eviction is not None and eviction.held_until is not None:
+                raise KeyHeld(scope, key, eviction.held_until)
+            return eviction is not None
         sql = f"DELETE FROM {self.table} WHERE scope = $1 AND key = $2 AND owner_token = $3"
 
         async def call(c: Any) -> Any:
