@@ -211,5 +211,69 @@ async def test_a_handler_right_on_its_first_call_and_wrong_on_its_second_is_caug
             pay, make_message, charged, external=[find, charge], scenarios=[TOOK_EFFECT]
         )
     assert "after redelivery, the effect is 2; one clean delivery gives 1" in str(caught.value)
-    assert "call 2 of the 2 one clean delivery makes" in str(caught.value)
+    assert "call 2 of the 2 a delivery makes" in str(caught.value)
     assert len(find.raised) == 1 and len(charge.raised) == 1
+
+
+async def test_a_handler_answering_a_retry_from_process_memory_is_caught(
+    idem_store: PostgresStore,
+) -> None:
+    """A ``Retryable`` after the charge, "deduped" by a set in process memory: the redelivery
+    in the same process charges nothing, but one to another instance (a restart, a rebalance)
+    charges again. The kit fails it: a retry after a call took effect must make the call again
+    (for a far side deduping by ``attempt.downstream_key`` to answer), not answer from memory."""
+    gateway = FakeGateway()
+    charge = ExternalCall(gateway.charge, failure=lambda: GatewayTimeout("read timeout"))
+    started: set[str] = set()
+
+    @idempotent_consumer(idem_store, scope="kit.memory", mode="two_phase")
+    async def pay(message: ConsumerMessage, attempt: Attempt) -> Any:
+        body = message.json()
+        if body["payment"] in started:
+            return {"charge": "already"}
+        started.add(body["payment"])
+        try:
+            return await charge(body["payment"], body["amount"])
+        except GatewayTimeout as exc:
+            raise Retryable("gateway timeout") from exc
+
+    async def charged(conn: asyncpg.Connection, message: ConsumerMessage) -> int:
+        return gateway.charges[message.json()["payment"]]
+
+    with pytest.raises(NotIdempotent) as caught:
+        await assert_idempotent(pay, make_message, charged, external=charge)
+    assert caught.value.scenario == TOOK_EFFECT
+    assert "returned without making any of the 1 call(s)" in str(caught.value)
+    assert "another instance" in str(caught.value)
+
+
+async def test_a_retryable_handler_whose_gateway_dedupes_by_downstream_key_passes(
+    idem_store: PostgresStore,
+) -> None:
+    """The kit's other side: a ``Retryable`` after the charge is safe when the far side dedupes
+    by ``attempt.downstream_key`` (the retry makes the call, the gateway answers it again)."""
+    charges: dict[str, int] = {}
+    answers: dict[str, dict[str, Any]] = {}
+
+    async def gateway_charge(idempotency_key: str, payment: str) -> dict[str, Any]:
+        if idempotency_key not in answers:
+            charges[payment] = charges.get(payment, 0) + 1
+            answers[idempotency_key] = {"charge": f"ch_{payment}"}
+        return answers[idempotency_key]
+
+    charge = ExternalCall(gateway_charge, failure=lambda: GatewayTimeout("read timeout"))
+
+    @idempotent_consumer(idem_store, scope="kit.dedupes", mode="two_phase")
+    async def pay(message: ConsumerMessage, attempt: Attempt) -> Any:
+        try:
+            return await charge(attempt.downstream_key, message.json()["payment"])
+        except GatewayTimeout as exc:
+            raise Retryable("gateway timeout") from exc
+
+    async def charged(conn: asyncpg.Connection, message: ConsumerMessage) -> int:
+        return charges.get(message.json()["payment"], 0)
+
+    report = await assert_idempotent(
+        pay, make_message, charged, external=charge, scenarios=[TOOK_EFFECT]
+    )
+    assert report.passed == ["clean delivery", TOOK_EFFECT]

@@ -239,6 +239,8 @@ class _Kit:
         self.clean_calls = 0
         self.calls_made = 0
         self.fail_call = 1
+        #: this scenario run's external call took effect and failed (later runs are watched)
+        self.fired_external = False
         #: what the handler made of its call's failure after it took effect (the exception it
         #: raised, or "returned normally"), for the message of a scenario that then fails
         self.after_external: str | None = None
@@ -349,6 +351,7 @@ class _Kit:
         sent = [messages[0], messages[0].fresh()] if in_one_batch else messages
         self.events.clear()
         self.after_external = None
+        self.fired_external = False
         self.inject = scenario.inject
         self.owner_dead = not scenario.concurrent
         if scenario.fault is not None:
@@ -382,6 +385,8 @@ class _Kit:
                 )
         for message, key in distinct:
             await self._reconcile(name, message, key)
+            if self.failure is not None:  # a redelivery after "not executed" may set it
+                raise self.failure
             await self._expect_completed(name, key, None)
             await self._expect_clean(name, message, "after redelivery")
         # and one more duplicate changes nothing
@@ -486,6 +491,8 @@ class _Kit:
                 raise Ambiguous("injected: the request may have left (a connect timeout)")
             if inject == "took_effect":
                 return await kit._took_effect(handler, work, context)
+            if kit.fired_external:
+                return await kit._after_took_effect(handler, work, context)
             result = await handler(work, context)
             if inject == "ambiguous_after":
                 kit.events.append("ambiguous failure after the call")
@@ -523,16 +530,47 @@ class _Kit:
         finally:
             self._disarm_external()
             if took_effect():
+                self.fired_external = True
                 failure = next(
                     c.raised[-1]
                     for c, n in zip(self.external, fired, strict=True)
                     if len(c.raised) > n
                 )
+                nth = self.fail_call, self.clean_calls
                 self.events.append(
                     f"the call took effect, then raised {type(failure).__name__}"
-                    f" (call {self.fail_call} of the {self.clean_calls} one clean delivery makes)"
+                    + ("" if nth[1] <= 1 else f" (call {nth[0]} of the {nth[1]} a delivery makes)")
                 )
         self.after_external = "returned normally"
+        return result
+
+    async def _after_took_effect(
+        self, handler: Callable[..., Awaitable[Any]], work: Any, context: Any
+    ) -> Any:
+        """The handler runs again after its call took effect and failed: it said the work was
+        not done (``Retryable``), so it must make its call again, for the far side to answer
+        it (a gateway deduping by ``attempt.downstream_key``). Answering without any call
+        means it remembered the first one where the kit cannot see: process memory, which a
+        redelivery to another instance (a restart, a rebalance) does not have, and the call is
+        made twice there."""
+        self._arm_external(lambda: False)
+        try:
+            result = await handler(work, context)
+        finally:
+            self._disarm_external()
+        if self.calls_made == 0 and self.clean_calls > 0 and self.failure is None:
+            assert self.scenario is not None
+            self.failure = NotIdempotent(
+                self.scenario.name,
+                f"the external call took effect and then failed; the handler "
+                f"{self.after_external}, and when the message was delivered again it returned "
+                f"without making any of the {self.clean_calls} call(s) one clean delivery makes: "
+                "it remembered the first attempt where the kit cannot see (process memory?). A "
+                "redelivery to another instance (a restart, a rebalance) makes the call again. "
+                "An error after a call may have taken effect is Ambiguous (the key is parked "
+                "unknown and reconciled), never Retryable, unless the far side dedupes it by "
+                "attempt.downstream_key",
+            )
         return result
 
     async def _expire_lease(self, key: str) -> None:
