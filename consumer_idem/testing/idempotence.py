@@ -566,7 +566,8 @@ class _Kit:
                 f"{self.after_external}, and when the message was delivered again it returned "
                 f"without making any of the {self.clean_calls} call(s) one clean delivery makes: "
                 "it remembered the first attempt where the kit cannot see (process memory?). A "
-                "redelivery to another instance (a restart, a rebalance) makes the call again. "
+                "redelivery to another instance (a restart, a rebalance) makes the call again "
+                "(if it asked the far side, wrap that call in an ExternalCall too). "
                 "An error after a call may have taken effect is Ambiguous (the key is parked "
                 "unknown and reconciled), never Retryable, unless the far side dedupes it by "
                 "attempt.downstream_key",
