@@ -293,3 +293,23 @@ async def test_store_evict_refuses_a_key_a_worker_holds_and_a_duplicate_does_not
     record = await store.get(scope, "k")
     assert record is not None and record.status is Status.COMPLETED
     assert await store.evict(scope, "k") is True  # a settled key is evicted as before
+
+
+async def test_evict_asks_on_stderr_so_its_json_answer_stays_parseable(
+    pg_dsn: str, store: PostgresStore, scope: str
+) -> None:
+    """Without ``--yes`` the question goes to stderr: ``evict ... --json | jq`` shows it to the
+    operator, and stdout holds the JSON answer alone."""
+    done = await store.reserve(scope, "k", FP)
+    await store.complete(scope, "k", done.token, {"ok": True})
+    code, out, err = await cli("evict", scope, "k", "--json", dsn=pg_dsn, stdin=b"y\n")
+    assert code == 0, err
+    assert json.loads(out) == {
+        "evicted": True,
+        "scope": scope,
+        "key": "k",
+        "status": "completed",
+        "redispatch_to": None,
+    }
+    assert f"Evict ({scope}, k)?" in err
+    assert await store.get(scope, "k") is None

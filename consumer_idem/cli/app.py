@@ -474,7 +474,8 @@ def build_app() -> Any:
             held = record.locked_until if record.status is Status.IN_PROGRESS else None
             if held is not None and held > datetime.now(UTC):  # the DELETE checks it again
                 fail(held_line(Eviction(scope, key, record.status, held_until=held)))
-            if not typer.confirm(f"Evict ({scope}, {key})? {evict_consequence(record.status)}"):
+            question = f"Evict ({scope}, {key})? {evict_consequence(record.status)}"
+            if not typer.confirm(question, err=True):  # stdout holds the answer (--json)
                 fail("not confirmed; nothing evicted")
 
         async def op(store: PostgresStore) -> Eviction | None:
