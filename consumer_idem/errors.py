@@ -16,6 +16,7 @@ ConsumerIdemError
 ├── UnstorableResult (TypeError)     a result that cannot be stored as JSON
 ├── LeaseLost                        fenced out: the record is no longer this owner's
 ├── KeyInFlight                      another transaction is claiming the key right now
+├── KeyHeld                          an operator's evict of a key a worker holds: refused
 ├── NotUnknown                       resolve() of a record that is not unknown
 ├── PublishRefused                   a broker refused a publish for good
 ├── StreamCutShort                   a streamed HTTP response ended before it was settled
@@ -32,6 +33,7 @@ The modules that raise them re-export them (``consumer_idem.http.KeyHeaderError`
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 
@@ -134,6 +136,23 @@ class NoOutbox(ConsumerIdemError, RuntimeError):
 class KeyInFlight(ConsumerIdemError):
     """Another transaction is claiming this key at this very moment (transactional mode with a
     lock timeout): try again shortly."""
+
+
+class KeyHeld(ConsumerIdemError):
+    """An operator's evict of a key a worker holds right now (``in_progress``, time left on its
+    lease) was refused and changed nothing: deleted under a running call, a duplicate delivered
+    before the call ends would run it again. Wait for the worker, or for its lease to run out
+    (``held_until``), and decide then."""
+
+    def __init__(self, scope: str, key: str, held_until: datetime) -> None:
+        super().__init__(
+            f"({scope!r}, {key!r}) is held by a worker until "
+            f"{held_until.isoformat(timespec='seconds')}: nothing evicted (deleted under a "
+            "running call, a duplicate delivered before the call ends would run it again)"
+        )
+        self.scope = scope
+        self.key = key
+        self.held_until = held_until
 
 
 class NotUnknown(ConsumerIdemError):

@@ -180,3 +180,26 @@ class NotExecuted:
 
 
 Resolution = Executed | NotExecuted
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    """What an operator's evict removed (``PostgresStore.evict_record``).
+
+    ``redispatch_to`` names the topic or queue the record's original message will be sent to
+    again: an ``unknown`` or ``failed_retryable`` record whose delivery was acked (its original
+    was kept, or armed by a "not executed" answer) leaves that original armed in the re-dispatch
+    outbox, and the sweeper sends it, so the key runs again as the evict promised. ``None``: no
+    original was kept, and the broker's redelivery (or a dead-letter replay) runs the key.
+    ``held_until``: nothing was evicted, a worker holds the record until then."""
+
+    scope: str
+    key: str
+    status: Status  #: the status of the record that was deleted (or left held)
+    redispatch_to: str | None = None
+    #: not evicted: a worker holds the record until then (``in_progress``, lease running)
+    held_until: datetime | None = None
+
+    @property
+    def evicted(self) -> bool:
+        return self.held_until is None

@@ -13,8 +13,11 @@ TERMINAL = {"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": "100"}
 PIPE = {"TTY_COMPATIBLE": "0", "TTY_INTERACTIVE": "0"}
 
 
-async def cli(*args: str, dsn: str | None = None, **env_extra: str) -> tuple[int, str, str]:
-    """``python -m consumer_idem.cli ARGS``: (exit code, stdout, stderr)."""
+async def cli(
+    *args: str, dsn: str | None = None, stdin: bytes | None = None, **env_extra: str
+) -> tuple[int, str, str]:
+    """``python -m consumer_idem.cli ARGS``: (exit code, stdout, stderr); ``stdin``: what the
+    operator types (none: stdin is closed)."""
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "NO_COLOR")}
     env.update(PIPE)
     env.update(env_extra)
@@ -26,10 +29,10 @@ async def cli(*args: str, dsn: str | None = None, **env_extra: str) -> tuple[int
         "consumer_idem.cli",
         *args,
         env=env,
-        stdin=asyncio.subprocess.DEVNULL,
+        stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+    out, err = await asyncio.wait_for(proc.communicate(stdin), timeout=120)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()

@@ -516,7 +516,8 @@ async def test_a_two_phase_key_evicted_while_its_call_ran_is_never_run_again(
     async def charge(message: ConsumerMessage, attempt: Attempt) -> Any:
         nonlocal charges
         charges += 1
-        await store.evict(scope, "k")  # an operator, while the charge is on the wire
+        # forced under the running call (store.evict refuses a held key: KeyHeld)
+        await store.evict_record(scope, "k", while_held=True)
         return {"charged": True}
 
     first = await charge.process(msg("k", {"n": 1}))
@@ -647,12 +648,15 @@ async def test_a_driver_misuse_in_a_handler_is_a_failure_not_an_outage(
     assert not is_database_outage(asyncpg.InterfaceError("the server expects 1 argument"))
 
 
-async def test_evicting_a_record_drops_its_kept_original(store: PostgresStore, scope: str) -> None:
+async def test_a_key_parked_again_after_an_evict_redispatches_its_new_original(
+    store: PostgresStore, scope: str
+) -> None:
     first = await store.reserve(scope, "k", FP)
     await store.mark_unknown(scope, "k", first.token)
     old = make_notice(scope, "k", "timeout", source="orders", original=msg("k", {"amount": 1}))
     assert await store.redispatch.keep_original(scope, "k", old) is Status.UNKNOWN
-    await store.evict(scope, "k")  # an operator; later the same key comes with another body
+    # an operator evicts (the old original is armed), and the same key comes with another body
+    await store.evict(scope, "k")
     second = await store.reserve(scope, "k", FP)
     await store.mark_unknown(scope, "k", second.token)
     new = make_notice(scope, "k", "timeout", source="orders", original=msg("k", {"amount": 2}))

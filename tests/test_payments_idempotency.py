@@ -25,7 +25,7 @@ from consumer_idem import (
     header,
     idempotent_consumer,
 )
-from consumer_idem.testing import assert_idempotent, scenario_names
+from consumer_idem.testing import ExternalCall, assert_idempotent, scenario_names
 from consumer_idem.types import Record
 from examples.test_handler_idempotency import booked, new_payment
 from handlers.gateway import CHARGES_SQL, GatewayClient, charge_handler, record_charge
@@ -81,15 +81,21 @@ async def test_the_gateway_handler_charges_once(
         # the result the handler would have returned (the key is the payment id)
         return Executed({"payment_id": record.key, **charge})
 
+    # the request reaches the gateway and charges, then its answer times out: the reference
+    # handler must park it unknown (Ambiguous), never send it again blindly
+    post = ExternalCall(client.http.post, failure=lambda: httpx.ReadTimeout("answer lost"))
+    client.http.post = post  # type: ignore[method-assign]
     try:
         report = await assert_idempotent(
             consumer,
             new_payment,
             charged,
             resolver=ask_the_gateway,
+            external=post,
         )
     finally:
         await client.aclose()
         await http.aclose()
     assert report.clean_effect == (1, 1)
     assert "crash before commit" in report.passed and "lease lost" in " ".join(report.passed)
+    assert "the call took effect, then failed" in report.passed and len(post.raised) == 1

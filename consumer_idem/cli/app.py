@@ -16,7 +16,7 @@ import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager, suppress
 from dataclasses import asdict, dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Annotated, Any, TypeVar
 
@@ -31,7 +31,10 @@ from consumer_idem.cli.output import (
     Reporter,
     age,
     console,
+    evict_consequence,
+    evicted_line,
     fail,
+    held_line,
     note,
     parse_duration,
     setup_logging,
@@ -50,7 +53,7 @@ from consumer_idem.stores.postgres.maintenance import (
 from consumer_idem.stores.postgres.outbox import OutboxStats
 from consumer_idem.stores.postgres.pooler import create_pool
 from consumer_idem.stores.postgres.store import PostgresStore
-from consumer_idem.types import Status
+from consumer_idem.types import Eviction, Record, Status
 
 T = TypeVar("T")
 
@@ -465,24 +468,49 @@ def build_app() -> Any:
         schema: SchemaOpt = None,
         as_json: JsonOpt = False,
     ) -> None:
-        """Delete one record: the key becomes new work. Asks first unless --yes."""
-        if not yes and not typer.confirm(
-            f"Evict ({scope}, {key})? A later delivery with this key will run again.",
-            default=False,
-        ):
-            fail("not confirmed; nothing evicted")
+        """Delete one record: the key becomes new work and runs again. Asks first unless --yes.
 
-        async def op(store: PostgresStore) -> bool:
+        An unknown or failed_retryable key whose delivery was acked is not lost: its kept
+        original message is armed in the same transaction, and the sweeper (`sweep
+        --transport`, or a running reconciler's) sends it again to its topic or queue. Evicting
+        an unknown key says it did not take effect: if it may have, reconcile it instead. A key
+        a worker holds (in_progress, lease running) is not evicted: wait for it."""
+
+        async def known(store: PostgresStore) -> Record:
             await known_scope(store, scope)
-            return await store.evict(scope, key)
+            record = await store.get(scope, key)
+            if record is None:
+                raise CliError(f"no record for key {key!r} in scope {scope!r}")
+            return record
 
-        deleted = store_call(dsn, schema, op)
-        if not deleted:
+        if not yes:
+            record = store_call(dsn, schema, known)
+            held = record.locked_until if record.status is Status.IN_PROGRESS else None
+            if held is not None and held > datetime.now(UTC):  # the DELETE checks it again
+                fail(held_line(Eviction(scope, key, record.status, held_until=held)))
+            question = f"Evict ({scope}, {key})? {evict_consequence(record.status)}"
+            if not typer.confirm(question, err=True):  # stdout holds the answer (--json)
+                fail("not confirmed; nothing evicted")
+
+        async def op(store: PostgresStore) -> Eviction | None:
+            await known_scope(store, scope)
+            return await store.evict_record(scope, key)
+
+        eviction = store_call(dsn, schema, op)
+        if eviction is None:
             fail(f"no record for key {key!r} in scope {scope!r}")
+        if not eviction.evicted:
+            fail(held_line(eviction))
         emit(
-            {"evicted": True, "scope": scope, "key": key},
+            {
+                "evicted": True,
+                "scope": scope,
+                "key": key,
+                "status": eviction.status.value,
+                "redispatch_to": eviction.redispatch_to,
+            },
             as_json,
-            lambda: console.print(f"evicted ({escape(scope)}, {escape(key)})"),
+            lambda: console.print(evicted_line(eviction), soft_wrap=True),
         )
 
     @app.command()

@@ -22,7 +22,10 @@ from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from consumer_idem.types import Eviction, Status
 
 
 class ExitCode(IntEnum):
@@ -225,3 +228,42 @@ class Reporter:
         self._last_line, self._last_text = now, text
         rate = done / max(now - self._started, 1e-9)
         note(f"{self.label}: {text} ({rate:.1f}/s, {age(now - self._started)})")
+
+
+def evict_consequence(status: Status) -> str:
+    """What evicting a record of ``status`` does, for the confirmation prompt."""
+    if status is Status.UNKNOWN:
+        return (
+            "It is unknown: its effect may already have happened. Evicting says it did not: "
+            "the key runs again (its kept original is re-sent by the sweeper). If it may have "
+            "taken effect, reconcile it instead."
+        )
+    if status is Status.IN_PROGRESS:
+        return (
+            "Its worker's lease has run out: its call may have taken effect (`consumer-idem "
+            "sweep` parks it as unknown for reconciliation). Evicting runs it again."
+        )
+    return "The key becomes new work: it runs again (a kept original is re-sent)."
+
+
+def held_line(eviction: Eviction) -> str:
+    """Why an evict left a record as it is."""
+    until = eviction.held_until.isoformat(timespec="seconds") if eviction.held_until else "?"
+    return (
+        f"({eviction.scope}, {eviction.key}) is held by a worker until {until}: nothing "
+        "evicted (deleted under a running call, a duplicate delivered before the call ends "
+        "would run it again). Wait for the worker to finish, or for its lease to run out "
+        "(`consumer-idem sweep` then parks it as unknown), and decide then"
+    )
+
+
+def evicted_line(eviction: Eviction) -> str:
+    """What an evict did, and what runs the key again."""
+    line = f"evicted ({escape(eviction.scope)}, {escape(eviction.key)}), was {eviction.status}"
+    if eviction.redispatch_to is not None:
+        return (
+            f"{line}; its original message is armed: the sweeper (consumer-idem sweep "
+            f"--transport T --scope {escape(eviction.scope)}, or a running reconciler's) sends "
+            f"it again to {escape(eviction.redispatch_to)}, and it runs once"
+        )
+    return f"{line}; a later delivery with this key runs it again"

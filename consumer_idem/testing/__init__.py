@@ -7,7 +7,9 @@ commit?*
 * :func:`assert_idempotent` answers it in one call: it delivers fresh messages to your
   decorated handler under duplicates, concurrent duplicates and a fault at each step boundary,
   and raises :class:`NotIdempotent` (an ``AssertionError``) naming the scenario whenever the
-  effect differs from one clean delivery.
+  effect differs from one clean delivery. Wrap the handler's own call to another service in an
+  :class:`ExternalCall` and pass it (``external=``): the kit makes that call take effect and
+  then fail, as a gateway timeout after the charge does.
 * The pytest plugin (loaded automatically) gives the fixtures ``idem_store`` (a migrated store
   in a fresh schema, dropped afterwards) and ``idem_dsn`` (``CONSUMER_IDEM_PG_DSN``, or a
   PostgreSQL container started with testcontainers).
@@ -31,6 +33,7 @@ from consumer_idem.testing.broker import (
     deliver,
     deliver_batch,
 )
+from consumer_idem.testing.external import ExternalCall
 from consumer_idem.testing.faults import (
     LIBRARY_COMMIT,
     Fault,
@@ -52,6 +55,7 @@ from consumer_idem.testing.postgres import NoPostgres, fresh_store, postgres_dsn
 __all__ = [
     "LIBRARY_COMMIT",
     "Delivery",
+    "ExternalCall",
     "Fault",
     "FaultyConnection",
     "FaultyPool",

@@ -6,7 +6,8 @@ another connection, or a call to another service, survives a rollback and happen
 redelivery), and must never end that transaction itself. :func:`assert_idempotent` checks this
 from the outside, on a real PostgreSQL: it delivers fresh messages once cleanly, then under
 duplicates, concurrent duplicates and a fault at each step boundary, and compares what
-``effect(conn, message)`` reports with one clean delivery.
+``effect(conn, message)`` reports with one clean delivery. With ``external=`` it also makes the
+handler's own call to another service take effect and then fail (:class:`ExternalCall`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from consumer_idem.notice import encode_notice
 from consumer_idem.operations.reconcile import Reconciler, Resolver
 from consumer_idem.stores.postgres.store import ConnectionPool, PostgresStore
 from consumer_idem.testing.broker import Delivery, MemoryTransport, deliver, deliver_batch
+from consumer_idem.testing.external import ExternalCall
 from consumer_idem.testing.faults import LIBRARY_COMMIT, Fault, FaultyPool, Kind, Point
 from consumer_idem.types import Executed, NotExecuted, Record, Status
 
@@ -119,18 +121,25 @@ TWO_PHASE = (
     _Scenario("ambiguous failure after the call", inject="ambiguous_after"),
 )
 
+#: The handler's own call took effect on the far side, then failed on ours (a read timeout):
+#: run for every consumer given ``external=``, and always listed for a two-phase one (not
+#: applicable without ``external=``: its call is the one thing the kit cannot reach otherwise).
+TOOK_EFFECT_THEN_FAILED = _Scenario("the call took effect, then failed", inject="took_effect")
+
 CLEAN = "clean delivery"
 
 
-def scenario_names(consumer: IdempotentConsumer) -> list[str]:
-    """The scenarios :func:`assert_idempotent` runs for ``consumer``, in order."""
-    return [CLEAN, *(s.name for s in _scenarios_of(consumer))]
+def scenario_names(consumer: IdempotentConsumer, *, external: bool = False) -> list[str]:
+    """The scenarios :func:`assert_idempotent` runs for ``consumer`` (given ``external=``
+    calls, or not), in order."""
+    return [CLEAN, *(s.name for s in _scenarios_of(consumer, external))]
 
 
-def _scenarios_of(consumer: IdempotentConsumer) -> Sequence[_Scenario]:
+def _scenarios_of(consumer: IdempotentConsumer, external: bool) -> Sequence[_Scenario]:
     if consumer.mode == "two_phase":
-        return TWO_PHASE
-    return BATCH if consumer.batch else TRANSACTIONAL
+        return (*TWO_PHASE, TOOK_EFFECT_THEN_FAILED)
+    chosen = BATCH if consumer.batch else TRANSACTIONAL
+    return (*chosen, TOOK_EFFECT_THEN_FAILED) if external else chosen
 
 
 async def assert_idempotent(
@@ -141,6 +150,7 @@ async def assert_idempotent(
     resolver: Resolver | None = None,
     concurrency: int = 4,
     scenarios: Collection[str] | None = None,
+    external: ExternalCall[..., Any] | Sequence[ExternalCall[..., Any]] = (),
 ) -> Report:
     """Deliver fresh messages to ``consumer`` under every scenario and raise
     :class:`NotIdempotent` (an ``AssertionError`` naming the scenario) when the effect differs
@@ -161,6 +171,13 @@ async def assert_idempotent(
       yours to test it as well.
     * ``scenarios``: run only these (names from :func:`scenario_names`; the clean delivery
       always runs first, as every scenario's reference).
+    * ``external``: the handler's calls to other services, each wrapped in an
+      :class:`ExternalCall` the handler awaits. "The call took effect, then failed" runs once
+      per call one clean delivery makes: in the n-th run the n-th call of the delivery runs
+      to its end and then raises (a read timeout): the handler must not make it again
+      (``Ambiguous``: parked ``unknown`` and reconciled, or a far side that dedupes by
+      ``attempt.downstream_key``). ``effect`` must see the call's
+      effect (the fake service's charges for the message).
 
     The scenarios: the clean delivery (executed once, acked, its record ``completed``);
     duplicates, one after the other and concurrent; a crash before the COMMIT, a shutdown
@@ -172,7 +189,8 @@ async def assert_idempotent(
     as before the delivery; after redelivery (and reconciliation), as after one clean delivery;
     and one more duplicate must change nothing.
     """
-    kit = _Kit(consumer, make_message, effect, resolver, concurrency)
+    calls = [external] if isinstance(external, ExternalCall) else list(external)
+    kit = _Kit(consumer, make_message, effect, resolver, concurrency, calls)
     return await kit.run(scenarios)
 
 
@@ -184,6 +202,7 @@ class _Kit:
         effect: Effect,
         resolver: Resolver | None,
         concurrency: int,
+        external: list[ExternalCall[..., Any]],
     ) -> None:
         user_store = consumer.store
         pool = user_store.pool
@@ -215,6 +234,16 @@ class _Kit:
         self.effect = effect
         self.resolver = resolver
         self.concurrency = concurrency
+        self.external = external
+        #: external calls one clean delivery made, and which one fails in this run (1-based)
+        self.clean_calls = 0
+        self.calls_made = 0
+        self.fail_call = 1
+        #: this scenario run's external call took effect and failed (later runs are watched)
+        self.fired_external = False
+        #: what the handler made of its call's failure after it took effect (the exception it
+        #: raised, or "returned normally"), for the message of a scenario that then fails
+        self.after_external: str | None = None
         #: the kit's own fault armed for the next handler call
         self.inject: str | None = None
         #: faults and injections fired, in order (the fault layer logs into it too)
@@ -230,26 +259,57 @@ class _Kit:
     # --- the run ----------------------------------------------------------------------------
 
     async def run(self, names: Collection[str] | None) -> Report:
-        chosen = list(_scenarios_of(self.consumer))
+        chosen = list(_scenarios_of(self.consumer, bool(self.external)))
         if names is not None:
             unknown = set(names) - {s.name for s in chosen} - {CLEAN}
             if unknown:
-                known = scenario_names(self.consumer)
+                known = scenario_names(self.consumer, external=bool(self.external))
                 raise ValueError(f"no such scenario {sorted(unknown)}: {known}")
             chosen = [s for s in chosen if s.name in names]
         report = Report(self.consumer.mode, self.batch, None)
         try:
-            await self._clean_delivery()
+            self._arm_external(lambda: False)  # counts the calls one clean delivery makes
+            try:
+                await self._clean_delivery()
+                self.clean_calls = self.calls_made
+            finally:
+                self._disarm_external()
             report.clean_effect = self.clean
             report.passed.append(CLEAN)
             for scenario in chosen:
-                if await self._run(scenario):
+                if await self._run_each_call(scenario):
                     report.passed.append(scenario.name)
                 else:
                     report.not_applicable.append(scenario.name)
         finally:
             self.faulty.disarm()
         return report
+
+    async def _run_each_call(self, scenario: _Scenario) -> bool:
+        """Run ``scenario``; "the call took effect, then failed" once per external call one
+        clean delivery makes, each run failing the next one (a handler may get its first call
+        right and its second wrong). False when its fault found no place to fire."""
+        if scenario.inject != "took_effect":
+            return await self._run(scenario)
+        fired = False
+        for nth in range(1, max(self.clean_calls, 1) + 1):
+            self.fail_call = nth
+            fired = await self._run(scenario) or fired
+        return fired
+
+    def _arm_external(self, fails: Callable[[], bool]) -> None:
+        self.calls_made = 0
+
+        def counted() -> bool:
+            self.calls_made += 1
+            return fails()
+
+        for call in self.external:
+            call.arm(counted)
+
+    def _disarm_external(self) -> None:
+        for call in self.external:
+            call.disarm()
 
     async def _clean_delivery(self) -> None:
         message, key = await self._fresh(CLEAN)
@@ -290,6 +350,8 @@ class _Kit:
         messages = [m for m, _ in distinct]
         sent = [messages[0], messages[0].fresh()] if in_one_batch else messages
         self.events.clear()
+        self.after_external = None
+        self.fired_external = False
         self.inject = scenario.inject
         self.owner_dead = not scenario.concurrent
         if scenario.fault is not None:
@@ -323,6 +385,8 @@ class _Kit:
                 )
         for message, key in distinct:
             await self._reconcile(name, message, key)
+            if self.failure is not None:  # a redelivery after "not executed" may set it
+                raise self.failure
             await self._expect_completed(name, key, None)
             await self._expect_clean(name, message, "after redelivery")
         # and one more duplicate changes nothing
@@ -425,6 +489,10 @@ class _Kit:
             if inject == "ambiguous_before":
                 kit.events.append("ambiguous failure before the call")
                 raise Ambiguous("injected: the request may have left (a connect timeout)")
+            if inject == "took_effect":
+                return await kit._took_effect(handler, work, context)
+            if kit.fired_external:
+                return await kit._after_took_effect(handler, work, context)
             result = await handler(work, context)
             if inject == "ambiguous_after":
                 kit.events.append("ambiguous failure after the call")
@@ -441,6 +509,70 @@ class _Kit:
         under_test.__name__ = getattr(handler, "__name__", "handler")
         under_test.__doc__ = handler.__doc__
         return under_test
+
+    async def _took_effect(
+        self, handler: Callable[..., Awaitable[Any]], work: Any, context: Any
+    ) -> Any:
+        """Run the handler with its external calls armed: its ``fail_call``-th call takes
+        effect, then raises (only that one). Note what the handler made of it."""
+        self._arm_external(lambda: self.calls_made == self.fail_call)
+        fired = [len(call.raised) for call in self.external]
+
+        def took_effect() -> bool:
+            return any(len(c.raised) > n for c, n in zip(self.external, fired, strict=True))
+
+        try:
+            result = await handler(work, context)
+        except BaseException as exc:
+            if took_effect():
+                self.after_external = f"raised {type(exc).__name__}({exc})"
+            raise
+        finally:
+            self._disarm_external()
+            if took_effect():
+                self.fired_external = True
+                failure = next(
+                    c.raised[-1]
+                    for c, n in zip(self.external, fired, strict=True)
+                    if len(c.raised) > n
+                )
+                nth = self.fail_call, self.clean_calls
+                self.events.append(
+                    f"the call took effect, then raised {type(failure).__name__}"
+                    + ("" if nth[1] <= 1 else f" (call {nth[0]} of the {nth[1]} a delivery makes)")
+                )
+        self.after_external = "returned normally"
+        return result
+
+    async def _after_took_effect(
+        self, handler: Callable[..., Awaitable[Any]], work: Any, context: Any
+    ) -> Any:
+        """The handler runs again after its call took effect and failed: it said the work was
+        not done (``Retryable``), so it must make its call again, for the far side to answer
+        it (a gateway deduping by ``attempt.downstream_key``). Answering without any call
+        means it remembered the first one where the kit cannot see: process memory, which a
+        redelivery to another instance (a restart, a rebalance) does not have, and the call is
+        made twice there."""
+        self._arm_external(lambda: False)
+        try:
+            result = await handler(work, context)
+        finally:
+            self._disarm_external()
+        if self.calls_made == 0 and self.clean_calls > 0 and self.failure is None:
+            assert self.scenario is not None
+            self.failure = NotIdempotent(
+                self.scenario.name,
+                f"the external call took effect and then failed; the handler "
+                f"{self.after_external}, and when the message was delivered again it returned "
+                f"without making any of the {self.clean_calls} call(s) one clean delivery makes: "
+                "it remembered the first attempt where the kit cannot see (process memory?). A "
+                "redelivery to another instance (a restart, a rebalance) makes the call again "
+                "(if it asked the far side, wrap that call in an ExternalCall too). "
+                "An error after a call may have taken effect is Ambiguous (the key is parked "
+                "unknown and reconciled), never Retryable, unless the far side dedupes it by "
+                "attempt.downstream_key",
+            )
+        return result
 
     async def _expire_lease(self, key: str) -> None:
         async with self.pool.acquire(timeout=10) as conn:
@@ -525,8 +657,27 @@ class _Kit:
             raise NotIdempotent(
                 name,
                 f"{when}, the effect is {now!r}; one clean delivery gives {self.clean!r}"
-                f"{_fired(self.events)}",
+                f"{_fired(self.events)}{self._external_hint()}",
             )
+
+    def _external_hint(self) -> str:
+        """Why a handler fails "the call took effect, then failed", in its own terms."""
+        if self.after_external is None:
+            return ""
+        told = (
+            f". The external call took effect and then failed; the handler "
+            f"{self.after_external}, and the call was made again"
+        )
+        if not self.two_phase:
+            return (
+                f"{told}: a transactional handler's call to another service is not rolled back "
+                "with its unit (make it a two-phase handler)"
+            )
+        return (
+            f"{told}. An error after a call may have taken effect is Ambiguous (the key is "
+            "parked unknown and reconciled), never Retryable, unless the far side dedupes it "
+            "by attempt.downstream_key"
+        )
 
     # --- helpers ----------------------------------------------------------------------------
 

@@ -182,6 +182,29 @@ class RedispatchOutbox:
         )
         return self._pending(row)
 
+    async def after_evict(self, c: Any, scope: str, key: str, evicted: Status) -> str | None:
+        """Inside an operator's evict, after the record's delete: what becomes of the key's
+        outbox row. An ``unknown`` or ``failed_retryable`` record stood for work that may only
+        live here (its delivery was acked): the row is armed, due now (an armed one keeps its
+        due time), so the sweeper sends it and the key runs again, as the evict promised.
+        Returns where it goes. For any other status the row is stale and deleted."""
+        if evicted in (Status.UNKNOWN, Status.FAILED_RETRYABLE):
+            source: str | None = await c.fetchval(
+                f"UPDATE {self._outbox} SET due_at = coalesce(due_at, now())"
+                " WHERE scope = $1 AND key = $2 RETURNING source",
+                scope,
+                key,
+                timeout=self.store.command_timeout,
+            )
+            return source
+        await c.execute(
+            f"DELETE FROM {self._outbox} WHERE scope = $1 AND key = $2",
+            scope,
+            key,
+            timeout=self.store.command_timeout,
+        )
+        return None
+
     async def pending_redispatches(
         self, limit: int = 100, scopes: Sequence[str] | None = None, *, due_only: bool = True
     ) -> list[PendingRedispatch]:

@@ -19,8 +19,10 @@ from typing import Any, Protocol, TypeVar
 
 import asyncpg
 
+from consumer_idem.commit import commit, rollback
 from consumer_idem.errors import (
     ConsumerIdemError,
+    KeyHeld,
     LeaseLost,
     SchemaMissing,
     StoreUnavailable,
@@ -41,9 +43,11 @@ from consumer_idem.stores.results import encode_result
 from consumer_idem.types import (
     Decision,
     DecisionKind,
+    Eviction,
     Record,
     Resolution,
     ResultKind,
+    Status,
     StoredResponse,
 )
 
@@ -479,31 +483,97 @@ class PostgresStore(StoreBase):
 
     async def evict(self, scope: str, key: str, *, token: uuid.UUID | None = None) -> bool:
         """Delete a record. With ``token``, only while that owner still holds it (an owner
-        cleaning up after itself); without, unconditionally (an operator)."""
-        args: tuple[Any, ...]
-        # a kept original goes with its record: a later record of the same key must never
-        # re-dispatch an older message
-        outbox = f'"{self.schema}".redispatch_outbox'
+        cleaning up after itself); without, as an operator (:meth:`evict_record`): False when
+        there is no record, :class:`KeyHeld` when a worker holds it (nothing evicted)."""
         if token is None:
-            sql = (
-                f"WITH kept AS (DELETE FROM {outbox} WHERE scope = $1 AND key = $2)"
-                f" DELETE FROM {self.table} WHERE scope = $1 AND key = $2"
-            )
-            args = (scope, key)
-        else:
-            sql = f"DELETE FROM {self.table} WHERE scope = $1 AND key = $2 AND owner_token = $3"
-            args = (scope, key, token)
+            eviction = await self.evict_record(scope, key)
+            if eviction is not None and eviction.held_until is not None:
+                raise KeyHeld(scope, key, eviction.held_until)
+            return eviction is not None
+        sql = f"DELETE FROM {self.table} WHERE scope = $1 AND key = $2 AND owner_token = $3"
 
         async def call(c: Any) -> Any:
-            return await c.execute(sql, *args, timeout=self.command_timeout)
+            return await c.execute(sql, scope, key, token, timeout=self.command_timeout)
 
-        if self.cache is not None:
-            await self.cache.delete([(scope, key)])
-        status: str = await self.run("evict", scope, None, call)
-        deleted = status.endswith(" 1")
-        if self.cache is not None:  # again, fenced: a read racing the delete cannot re-cache it
-            await self.cache.delete([(scope, key)])
-        if token is not None and not deleted:
+        tag: str = await self._uncached("evict", scope, key, call)
+        deleted = tag.endswith(" 1")
+        if not deleted:
             self.metrics.inc("lease_lost", scope)
             raise LeaseLost(f"evict: ({scope!r}, {key!r}) is no longer held by this owner")
         return deleted
+
+    async def evict_record(
+        self, scope: str, key: str, *, while_held: bool = False
+    ) -> Eviction | None:
+        """An operator's evict: delete the record, so its key is new work. None: no record.
+
+        A record a worker holds (``in_progress``, its lease not run out) is left as it is
+        (``Eviction.held_until`` says until when) unless ``while_held``: deleted under a
+        running call, a duplicate delivered before that call ends would run it again.
+
+        The key's work is never lost with it. An ``unknown`` or ``failed_retryable`` record
+        may be the only thing standing for a delivery that was acked (its original kept, or
+        armed by a "not executed" answer): that original is armed, due now, in the same
+        transaction, and the sweeper sends it again (``Eviction.redispatch_to``). For any
+        other status a leftover outbox row is stale and goes with the record."""
+
+        async def call(c: Any) -> Eviction | None:
+            # Two statements in one transaction: the DELETE waits for a keep_original holding
+            # the row (FOR SHARE), and the outbox statement then sees what it kept (one
+            # statement's snapshot would predate the wait and orphan the kept original).
+            await c.execute("BEGIN")
+            try:
+                status = await c.fetchval(
+                    f"DELETE FROM {self.table} WHERE scope = $1 AND key = $2 AND ($3"
+                    " OR status <> 'in_progress' OR locked_until <= clock_timestamp())"
+                    " RETURNING status",
+                    scope,
+                    key,
+                    while_held,
+                    timeout=self.command_timeout,
+                )
+                eviction = None
+                if status is not None:
+                    source = await self.redispatch.after_evict(c, scope, key, Status(status))
+                    eviction = Eviction(scope, key, Status(status), source)
+                else:
+                    held = await c.fetchval(
+                        f"SELECT locked_until FROM {self.table} WHERE scope = $1 AND key = $2"
+                        " AND status = 'in_progress'",
+                        scope,
+                        key,
+                        timeout=self.command_timeout,
+                    )
+                    if held is not None:
+                        eviction = Eviction(scope, key, Status.IN_PROGRESS, held_until=held)
+                await commit(c)
+            except BaseException:
+                await rollback(c)
+                raise
+            return eviction
+
+        eviction = await self._uncached("evict", scope, key, call)
+        if eviction is not None and eviction.evicted:
+            log.warning(
+                "scope=%s key=%s: evicted by an operator (was %s)%s",
+                scope,
+                key,
+                eviction.status,
+                ""
+                if eviction.redispatch_to is None
+                else f"; its original is armed for re-dispatch to {eviction.redispatch_to}",
+                extra={"scope": scope, "key": key},
+            )
+        return eviction
+
+    async def _uncached(
+        self, operation: str, scope: str, key: str, call: Callable[[Any], Awaitable[T]]
+    ) -> T:
+        """Run a delete of a record with its cache entry dropped before and after (fenced: a
+        read racing the delete cannot re-cache it)."""
+        if self.cache is not None:
+            await self.cache.delete([(scope, key)])
+        result = await self.run(operation, scope, None, call)
+        if self.cache is not None:
+            await self.cache.delete([(scope, key)])
+        return result
