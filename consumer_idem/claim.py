@@ -65,6 +65,7 @@ from consumer_idem.errors import (
     DomainError,
     KeyInFlight,
     LeaseLost,
+    OutboxMessagesLost,
     PoisonMessage,
     StoreRejected,
     StoreUnavailable,
@@ -317,7 +318,7 @@ class TransactionalClaim:
                 raise KeyInFlight(f"({self.scope!r}, {self.key!r}) is held right now") from exc
             raise
         if self.decision is None:  # ours: what the work publishes commits with it
-            self.outbox = open_unit(conn, self.scope, self.key)
+            self.outbox = open_unit(conn, self.scope, self.key, store)
         return self
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -466,6 +467,10 @@ class TransactionalClaim:
             and record.owner_token == self.token
         ):  # our re-acquired lease, committed by the work: park it now, not at expiry
             record = await self.store.mark_unknown(scope, key, self.token, why)
+        lost = self._lost_messages()
+        if lost is not None:  # never a success: what it published is gone
+            self.outcome = failed_outcome(record, scope, key, lost, OutcomeKind.UNKNOWN, True)
+            return self.outcome
         if record is not None and record.status is Status.COMPLETED:
             self.outcome = Outcome(
                 OutcomeKind.REPLAYED, scope, key, record.result, record.result_kind, record
@@ -474,6 +479,32 @@ class TransactionalClaim:
         error = exc or CommitRolledBack(why)
         self.outcome = failed_outcome(record, scope, key, error, OutcomeKind.UNKNOWN, True)
         return self.outcome
+
+    def _lost_messages(self) -> OutboxMessagesLost | None:
+        """The work ended the transaction with outbox messages pending: they are lost (never
+        written); say which, loudly."""
+        pending = self.outbox.messages if self.outbox is not None else []
+        if not pending:
+            return None
+        named = tuple(
+            f"position {m.position} to {m.destination!r} (idempotency-key {m.idempotency_key})"
+            for m in pending
+        )
+        log.error(
+            "scope=%s key=%s: the handler ended the transaction itself with %d outbox "
+            "message(s) pending; they were never written and will not be sent: %s",
+            self.scope,
+            self.key,
+            len(named),
+            "; ".join(named),
+            extra={"scope": self.scope, "key": self.key},
+        )
+        return OutboxMessagesLost(
+            f"the handler ended the idempotency transaction itself (COMMIT or ROLLBACK on its "
+            f"connection) with {len(named)} outbox message(s) pending, now lost: "
+            + "; ".join(named),
+            named,
+        )
 
     async def _complete_owned(
         self, result: Any, response: StoredResponse | None, then: str

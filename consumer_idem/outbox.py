@@ -27,8 +27,8 @@ had ``store.outbox.relay_after`` to do it. :class:`OutboxService` runs both for 
 
 What it promises: every message of a committed unit is sent at least once (a crash between the
 broker's confirmation and the mark sends it again), and never one of a unit that did not commit.
-Each carries an ``idempotency-key`` header derived from the unit's scope, key and the message's
-position in the unit (:func:`outgoing_key`), the same on every copy: a consumer using this
+Each carries an ``idempotency-key`` header derived from the unit's scope, key, run and the
+message's position in the unit (:func:`outgoing_key`), the same on every copy: a consumer using this
 library (``header("idempotency-key")``, the default key strategy) drops the copies for free.
 Messages of one unit to one destination with one key are sent in the order they were
 published. A message the broker refuses for good is parked with its reason
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import weakref
@@ -52,7 +51,13 @@ from typing import Any, Protocol, runtime_checkable
 
 from consumer_idem.backoff import Backoff
 from consumer_idem.commit import commit, rollback
-from consumer_idem.errors import ConsumerIdemError, NoOutbox, StoreUnavailable
+from consumer_idem.errors import (
+    ConsumerIdemError,
+    IdempotencyConfigError,
+    NoOutbox,
+    StoreUnavailable,
+)
+from consumer_idem.outbox_identity import new_run, outgoing_key, route_of
 from consumer_idem.stores.postgres.outbox import (
     IDEMPOTENCY_HEADER,
     OutboxScopeStats,
@@ -86,13 +91,6 @@ log = logging.getLogger("consumer_idem.outbox")
 RETRY_BACKOFF = Backoff(1.0, 300.0)
 
 
-def outgoing_key(scope: str, key: str, position: int) -> str:
-    """The ``idempotency-key`` of the message at ``position`` (0, 1, ...) of the unit
-    (``scope``, ``key``): the same on every run of that unit, on every copy of the message."""
-    digest = hashlib.sha256(f"outbox\x00{scope}\x00{key}\x00{position}".encode()).hexdigest()
-    return f"ci-{digest[:40]}"
-
-
 def _text_ok(value: str, what: str) -> str:
     if not isinstance(value, str) or not value or "\x00" in value:
         raise ValueError(f"{what} must be a non-empty string without NUL, not {value!r}")
@@ -109,13 +107,22 @@ def _as_bytes(value: str | bytes | bytearray | memoryview, what: str) -> bytes:
 
 class UnitOutbox:
     """The outbox of one idempotent unit (one incoming ``scope``/``key``): what a handler
-    publishes through it commits with the unit, or not at all. Get it with :func:`outbox_for`."""
+    publishes through it commits with the unit, or not at all. Get it with :func:`outbox_for`.
 
-    def __init__(self, scope: str, key: str) -> None:
+    ``run``: this execution of the unit (a new one each time the key runs as new work);
+    ``route``: the route of the sender serving its scope in this process (None: none)."""
+
+    def __init__(
+        self, scope: str, key: str, run: str | None = None, route: str | None = None
+    ) -> None:
         self.scope = scope
         self.key = key
+        self.run = run or new_run()
+        self.route = route
         #: the messages published so far, in order
         self.messages: list[OutgoingMessage] = []
+        #: the unit's transaction has ended: nothing published now would commit
+        self.ended = False
 
     def publish(
         self,
@@ -129,7 +136,15 @@ class UnitOutbox:
         commits. ``body``: bytes, text (UTF-8) or a JSON value (sent as compact JSON with a
         ``content-type: application/json`` header). ``key``: the Kafka record key (RabbitMQ
         has none). The ``idempotency-key`` header is set here (:func:`outgoing_key`); passing
-        one of your own is an error. Nothing is sent now: returns the message as it will go."""
+        one of your own is an error. Nothing is sent now: returns the message as it will go.
+        Raises :class:`NoOutbox` once the unit has ended (kept past its handler, nothing
+        published now could commit)."""
+        if self.ended:
+            raise NoOutbox(
+                f"the unit ({self.scope!r}, {self.key!r}) has ended: its transaction is over, "
+                f"so a message published now would never be sent (publish to {destination!r} "
+                "inside the handler, through the outbox of the unit that is running)"
+            )
         _text_ok(destination, "destination")
         extra: dict[str, bytes] = {}
         if isinstance(body, bytes | bytearray | memoryview):
@@ -152,7 +167,7 @@ class UnitOutbox:
                 "and the message's position, the same on every copy): do not set it"
             )
         position = len(self.messages)
-        idempotency_key = outgoing_key(self.scope, self.key, position)
+        idempotency_key = outgoing_key(self.scope, self.key, position, self.run)
         all_headers = {**extra, **given, IDEMPOTENCY_HEADER: idempotency_key.encode()}
         message = OutgoingMessage(
             destination=destination,
@@ -163,6 +178,8 @@ class UnitOutbox:
             unit_key=self.key,
             position=position,
             idempotency_key=idempotency_key,
+            run=self.run,
+            route=self.route,
         )
         self.messages.append(message)
         return message
@@ -178,6 +195,8 @@ class _Units:
     batch of hundreds should not pay for hundreds of empty outboxes."""
 
     scope: str
+    #: the route of the sender serving ``scope`` here when the units began
+    route: str | None = None
     single: UnitOutbox | None = None
     #: batch mode: the members, and each one's key
     messages: tuple[Any, ...] = ()
@@ -201,7 +220,7 @@ class _Units:
             raise NoOutbox("this message is not one of the batch this handler runs")
         unit = self.made.get(i)
         if unit is None:
-            unit = self.made[i] = UnitOutbox(self.scope, self.keys[i])
+            unit = self.made[i] = UnitOutbox(self.scope, self.keys[i], route=self.route)
         return unit
 
 
@@ -230,23 +249,41 @@ def outbox_for(conn: Any, message: Any = None) -> UnitOutbox:
     return units.of(message)
 
 
-def open_unit(conn: Any, scope: str, key: str) -> UnitOutbox:
-    """The claim engine: the unit (``scope``, ``key``) owns ``conn``'s transaction now."""
-    unit = UnitOutbox(scope, key)
-    _running[conn] = _Units(scope, single=unit)
+def _route_here(store: PostgresStore | None, scope: str) -> str | None:
+    dispatcher = None if store is None else dispatcher_for(store, scope)
+    return None if dispatcher is None else route_of(dispatcher.sender)
+
+
+def open_unit(conn: Any, scope: str, key: str, store: PostgresStore | None = None) -> UnitOutbox:
+    """The claim engine: the unit (``scope``, ``key``) owns ``conn``'s transaction now (a new
+    run of it; its messages are for the route of ``store``'s sender for ``scope``)."""
+    route = _route_here(store, scope)
+    unit = UnitOutbox(scope, key, route=route)
+    _running[conn] = _Units(scope, route, single=unit)
     return unit
 
 
-def open_batch(conn: Any, scope: str, messages: Sequence[Any], keys: Sequence[str]) -> _Units:
+def open_batch(
+    conn: Any,
+    scope: str,
+    messages: Sequence[Any],
+    keys: Sequence[str],
+    store: PostgresStore | None = None,
+) -> _Units:
     """Batch mode: each of ``messages`` (with its key, ``keys[i]``) is a unit in ``conn``'s
     transaction; what they published is ``pending(units)`` of the answer."""
-    units = _running[conn] = _Units(scope, messages=tuple(messages), keys=keys)
+    units = _Units(scope, _route_here(store, scope), messages=tuple(messages), keys=keys)
+    _running[conn] = units
     return units
 
 
 def close_units(conn: Any) -> None:
-    """The transaction on ``conn`` ended (committed or not)."""
-    _running.pop(conn, None)
+    """The transaction on ``conn`` ended (committed or not): its units' outboxes take no more
+    messages."""
+    units = _running.pop(conn, None)
+    if units is not None:
+        for unit in units.all():
+            unit.ended = True
 
 
 def pending(units: _Units) -> list[OutgoingMessage]:
@@ -561,7 +598,9 @@ def committed(store: PostgresStore, messages: list[OutgoingMessage]) -> None:
                 extra={"scope": scope},
             )
         return
-    dispatcher.enqueue(messages)
+    route = route_of(dispatcher.sender)
+    # (a sender attached meanwhile for another route: its rows are its own relay's)
+    dispatcher.enqueue([m for m in messages if m.route == route])
 
 
 async def backpressure(store: PostgresStore, scope: str) -> None:
@@ -595,7 +634,12 @@ class OutboxRelay:
     (``FOR UPDATE SKIP LOCKED``), sent and settled in one transaction, so relays in several
     processes share the work and never send the same message at the same time.
 
-    ``scopes``: only these units' messages (None: all). ``retention``: how long sent messages
+    It sends only the messages published for its sender's route (the transport and broker the
+    sender states: ``sender.route``), destination by destination: a destination whose send
+    failed waits out its backoff as a whole and never holds back another one. ``scopes``: only
+    these units' messages (None: all of its route; a relay naming its scopes also sends their
+    messages that record no route, written before routes were recorded or where no sender was
+    attached). ``retention``: how long sent messages
     are kept before each pass prunes them (in batches of ``prune_batch``). Each pass also sets
     the outbox gauges of its scopes (``outbox_pending``, ``outbox_parked``,
     ``outbox_oldest_pending_seconds``)."""
@@ -614,6 +658,13 @@ class OutboxRelay:
         self.store = store
         self.sender = sender
         self.scopes = None if scopes is None else sorted(scopes)
+        self.route = route_of(sender)
+        if self.route is None and self.scopes is None:
+            raise IdempotencyConfigError(
+                f"{type(sender).__name__} states no route (the transport and broker it sends "
+                "to: a 'route' attribute), so a relay for every scope cannot tell its own "
+                "messages from another transport's: give it a route, or name its scopes"
+            )
         self.batch = batch
         self.retention = retention
         self.prune_batch = prune_batch
@@ -628,7 +679,9 @@ class OutboxRelay:
         while True:
             done, claimed = await self._one_batch()
             report += done
-            if claimed < self.batch or done.sent == 0:  # nothing more due, or none goes
+            # nothing more due, or nothing settled (a failed destination is held from now on,
+            # so the next batch goes to others; all failed: the next pass tries again)
+            if claimed == 0 or done.sent + done.parked == 0:
                 break
         pruned = 0
         while True:
@@ -648,7 +701,7 @@ class OutboxRelay:
         async with store.connection() as conn:
             try:
                 await conn.execute("BEGIN")
-                messages = await store.outbox.claim_due(conn, self.batch, self.scopes)
+                messages = await store.outbox.claim_due(conn, self.batch, self.scopes, self.route)
                 if not messages:
                     await rollback(conn)
                     return RelayReport(), 0

@@ -93,6 +93,7 @@ from consumer_idem.outbox import (
     outbox_for,
     send_all,
 )
+from consumer_idem.outbox_identity import broker_route
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.transports import settle
 from consumer_idem.transports.settle import RunnerStats
@@ -618,6 +619,8 @@ class Idempotency:
         self.max_hold = max_hold
         self.stats = RunnerStats()
         self.transport = self._transport_for(broker)
+        #: the outbox sender's route: the broker's transport (see consumer_idem.outbox_identity)
+        self.route = broker_route("kafka" if isinstance(self.transport, _Kafka) else "amqp", None)
         self._batch_consumer: IdempotentConsumer | None = None
 
     def _build(self, store: PostgresStore) -> IdempotentConsumer:
