@@ -114,6 +114,8 @@ class DieOnSend:
     """A sender that kills its process (SIGKILL) the moment a dispatch starts: the process dies
     after the unit's COMMIT, before anything of it reached the broker."""
 
+    route = "kafka"  # it stands in for a KafkaOutboxSender (of no named cluster)
+
     def permanent(self, exc: BaseException) -> bool:
         return False
 
