@@ -10,18 +10,24 @@ import asyncpg
 import httpx
 import pytest
 from aiokafka import AIOKafkaProducer
-from faststream import AckPolicy
+from faststream import AckPolicy, FastStream
 from faststream.kafka import KafkaBroker, KafkaRouter
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from consumer_idem import PostgresStore, header
+from consumer_idem import (
+    IdempotencyConfigError,
+    OutcomeKind,
+    PostgresStore,
+    header,
+    run_transactional,
+)
 from consumer_idem.cli.settings import Settings
 from consumer_idem.faststream import CurrentIdempotency, Idempotency, IdempotentOutbox
 from consumer_idem.http import IdempotencyMiddleware, outbox_of
-from consumer_idem.outbox import OutboxService
+from consumer_idem.outbox import OutboxService, outbox_for
 from consumer_idem.transports.kafka import KafkaOutboxSender
 from tests._outbox import header as header_of
 from tests._outbox import outbox_store, producer, rows, sent_keys
@@ -175,3 +181,55 @@ async def test_a_sqlalchemy_session_publishes_through_its_units_outbox(
     records = await read_topic(settings.kafka_bootstrap, topic, 2, within=5)
     assert [json.loads(r.value) for r in records] == [{"n": 1}]
     assert header_of(records[0]) == (await sent_keys(store, scope))["a"]
+
+
+async def test_a_faststream_app_relays_what_a_crash_left_with_no_new_message(
+    settings: Settings, pg_pool: asyncpg.Pool, scope: str, kafka_topic_factory: Any
+) -> None:
+    """A unit committed in a process that died before its dispatch: the app's relay starts with
+    the app (no delivery needed) and sends it; it stops when the app stops."""
+    store = outbox_store(pg_pool)  # due for a relay at once
+    source = await kafka_topic_factory("outbox-fs-idle")
+    events = await kafka_topic_factory("outbox-fs-left")
+
+    async def book(conn: asyncpg.Connection) -> str:
+        outbox_for(conn).publish(events, {"order": "o1"})
+        return "booked"
+
+    # no sender attached: as if its process had died right after the COMMIT
+    assert (await run_transactional(store, scope, "o1", "v1:x", book)).kind is (
+        OutcomeKind.EXECUTED
+    )
+    broker = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
+    app = FastStream(broker)
+    idem = Idempotency(
+        store, broker=broker, scope=scope, key=header("idempotency-key"), app=app, outbox_relay=0.2
+    )
+    router = KafkaRouter(middlewares=[idem])
+
+    @router.subscriber(source, group_id=unique("fsg"), ack_policy=AckPolicy.MANUAL)
+    async def handle(data: dict[str, Any]) -> None:  # never gets a message here
+        raise AssertionError(data)
+
+    broker.include_router(router)
+    await app.start()
+    try:
+
+        async def sent() -> bool:
+            return [r["status"] for r in await rows(store, scope)] == ["sent"]
+
+        await wait_until(sent, 20, "the app's relay to send the message left behind")
+        assert idem.outbox_relay.running
+    finally:
+        await app.stop()
+    assert not idem.outbox_relay.running
+    records = await read_topic(settings.kafka_bootstrap, events, 1)
+    assert [json.loads(r.value) for r in records] == [{"order": "o1"}]
+
+
+def test_a_faststream_relay_refuses_what_is_not_an_app(pg_pool: asyncpg.Pool, scope: str) -> None:
+    broker = KafkaBroker("127.0.0.1:9092")
+    with pytest.raises(IdempotencyConfigError, match="FastStream application"):
+        Idempotency(PostgresStore(pg_pool), broker=broker, scope=scope, app=object())
+    with pytest.raises(IdempotencyConfigError, match="outbox_relay"):
+        Idempotency(PostgresStore(pg_pool), broker=broker, scope=scope, outbox_relay=0)
