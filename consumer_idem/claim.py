@@ -65,13 +65,13 @@ from consumer_idem.errors import (
     DomainError,
     KeyInFlight,
     LeaseLost,
-    OutboxMessagesLost,
     PoisonMessage,
     StoreRejected,
     StoreUnavailable,
     UnstorableResult,
 )
 from consumer_idem.outbox import UnitOutbox, close_units, committed, open_unit
+from consumer_idem.outbox_unit import lost_messages
 from consumer_idem.stores.base import Store
 from consumer_idem.stores.postgres.errors import is_database_outage
 from consumer_idem.stores.postgres.migrate import per_schema_name
@@ -467,8 +467,9 @@ class TransactionalClaim:
             and record.owner_token == self.token
         ):  # our re-acquired lease, committed by the work: park it now, not at expiry
             record = await self.store.mark_unknown(scope, key, self.token, why)
-        lost = self._lost_messages()
+        lost = lost_messages(self.outbox)
         if lost is not None:  # never a success: what it published is gone
+            log.error("scope=%s key=%s: %s", scope, key, lost, extra={"scope": scope, "key": key})
             self.outcome = failed_outcome(record, scope, key, lost, OutcomeKind.UNKNOWN, True)
             return self.outcome
         if record is not None and record.status is Status.COMPLETED:
@@ -479,32 +480,6 @@ class TransactionalClaim:
         error = exc or CommitRolledBack(why)
         self.outcome = failed_outcome(record, scope, key, error, OutcomeKind.UNKNOWN, True)
         return self.outcome
-
-    def _lost_messages(self) -> OutboxMessagesLost | None:
-        """The work ended the transaction with outbox messages pending: they are lost (never
-        written); say which, loudly."""
-        pending = self.outbox.messages if self.outbox is not None else []
-        if not pending:
-            return None
-        named = tuple(
-            f"position {m.position} to {m.destination!r} (idempotency-key {m.idempotency_key})"
-            for m in pending
-        )
-        log.error(
-            "scope=%s key=%s: the handler ended the transaction itself with %d outbox "
-            "message(s) pending; they were never written and will not be sent: %s",
-            self.scope,
-            self.key,
-            len(named),
-            "; ".join(named),
-            extra={"scope": self.scope, "key": self.key},
-        )
-        return OutboxMessagesLost(
-            f"the handler ended the idempotency transaction itself (COMMIT or ROLLBACK on its "
-            f"connection) with {len(named)} outbox message(s) pending, now lost: "
-            + "; ".join(named),
-            named,
-        )
 
     async def _complete_owned(
         self, result: Any, response: StoredResponse | None, then: str

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import weakref
 from collections import Counter, deque
@@ -57,7 +56,8 @@ from consumer_idem.errors import (
     NoOutbox,
     StoreUnavailable,
 )
-from consumer_idem.outbox_identity import new_run, outgoing_key, route_of
+from consumer_idem.outbox_identity import outgoing_key, route_of
+from consumer_idem.outbox_unit import UnitOutbox
 from consumer_idem.stores.postgres.outbox import (
     IDEMPOTENCY_HEADER,
     OutboxScopeStats,
@@ -89,100 +89,6 @@ log = logging.getLogger("consumer_idem.outbox")
 
 #: how a message whose send failed (for a reason that may pass) is retried by the relay
 RETRY_BACKOFF = Backoff(1.0, 300.0)
-
-
-def _text_ok(value: str, what: str) -> str:
-    if not isinstance(value, str) or not value or "\x00" in value:
-        raise ValueError(f"{what} must be a non-empty string without NUL, not {value!r}")
-    return value
-
-
-def _as_bytes(value: str | bytes | bytearray | memoryview, what: str) -> bytes:
-    if isinstance(value, str):
-        return value.encode("utf-8")
-    if isinstance(value, bytes | bytearray | memoryview):
-        return bytes(value)
-    raise TypeError(f"{what} must be str or bytes, not {type(value).__name__}")
-
-
-class UnitOutbox:
-    """The outbox of one idempotent unit (one incoming ``scope``/``key``): what a handler
-    publishes through it commits with the unit, or not at all. Get it with :func:`outbox_for`.
-
-    ``run``: this execution of the unit (a new one each time the key runs as new work);
-    ``route``: the route of the sender serving its scope in this process (None: none)."""
-
-    def __init__(
-        self, scope: str, key: str, run: str | None = None, route: str | None = None
-    ) -> None:
-        self.scope = scope
-        self.key = key
-        self.run = run or new_run()
-        self.route = route
-        #: the messages published so far, in order
-        self.messages: list[OutgoingMessage] = []
-        #: the unit's transaction has ended: nothing published now would commit
-        self.ended = False
-
-    def publish(
-        self,
-        destination: str,
-        body: Any,
-        *,
-        headers: Mapping[str, str | bytes] | None = None,
-        key: str | bytes | None = None,
-    ) -> OutgoingMessage:
-        """Send ``body`` to ``destination`` (a Kafka topic, a RabbitMQ queue) once the unit
-        commits. ``body``: bytes, text (UTF-8) or a JSON value (sent as compact JSON with a
-        ``content-type: application/json`` header). ``key``: the Kafka record key (RabbitMQ
-        has none). The ``idempotency-key`` header is set here (:func:`outgoing_key`); passing
-        one of your own is an error. Nothing is sent now: returns the message as it will go.
-        Raises :class:`NoOutbox` once the unit has ended (kept past its handler, nothing
-        published now could commit)."""
-        if self.ended:
-            raise NoOutbox(
-                f"the unit ({self.scope!r}, {self.key!r}) has ended: its transaction is over, "
-                f"so a message published now would never be sent (publish to {destination!r} "
-                "inside the handler, through the outbox of the unit that is running)"
-            )
-        _text_ok(destination, "destination")
-        extra: dict[str, bytes] = {}
-        if isinstance(body, bytes | bytearray | memoryview):
-            data = bytes(body)
-        elif isinstance(body, str):
-            data = body.encode("utf-8")
-        else:
-            try:
-                data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
-            except (TypeError, ValueError) as exc:
-                raise TypeError(f"the body is neither bytes, text nor JSON: {exc}") from exc
-            extra["content-type"] = b"application/json"
-        given = {
-            _text_ok(name, "header name"): _as_bytes(value, f"header {name!r}")
-            for name, value in (headers or {}).items()
-        }
-        if any(name.lower() == IDEMPOTENCY_HEADER for name in given):
-            raise ValueError(
-                f"the {IDEMPOTENCY_HEADER!r} header is the outbox's own (derived from the unit "
-                "and the message's position, the same on every copy): do not set it"
-            )
-        position = len(self.messages)
-        idempotency_key = outgoing_key(self.scope, self.key, position, self.run)
-        all_headers = {**extra, **given, IDEMPOTENCY_HEADER: idempotency_key.encode()}
-        message = OutgoingMessage(
-            destination=destination,
-            body=data,
-            headers=tuple(all_headers.items()),
-            key=None if key is None else _as_bytes(key, "key"),
-            scope=self.scope,
-            unit_key=self.key,
-            position=position,
-            idempotency_key=idempotency_key,
-            run=self.run,
-            route=self.route,
-        )
-        self.messages.append(message)
-        return message
 
 
 # --- which unit runs on a connection -------------------------------------------------------------
@@ -297,7 +203,12 @@ def pending(units: _Units) -> list[OutgoingMessage]:
 @runtime_checkable
 class OutboxSender(Protocol):
     """What sends outgoing messages: ``KafkaOutboxSender``, ``RabbitOutboxSender``
-    (``consumer_idem.transports``), the runners, FastStream's ``Idempotency``."""
+    (``consumer_idem.transports``), the runners, FastStream's ``Idempotency``.
+
+    A sender also states its ``route`` (a string attribute: the transport and the broker it
+    sends to, e.g. ``kafka:<bootstrap servers>``), recorded with the messages it is to send;
+    a relay sends only messages of its sender's route (see :mod:`consumer_idem.outbox_identity`).
+    One without a ``route`` serves only relays that name their scopes."""
 
     async def send_batch(self, messages: Sequence[OutgoingMessage]) -> list[BaseException | None]:
         """Publish ``messages`` and wait for the broker's confirmations: for each, ``None``
