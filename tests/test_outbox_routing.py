@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from typing import Any
 
 import aio_pika
@@ -22,9 +23,10 @@ from consumer_idem import (
     run_transactional,
 )
 from consumer_idem.cli.settings import Settings
-from consumer_idem.outbox import OutboxRelay, OutboxService, UnitOutbox, outbox_for
+from consumer_idem.outbox import OutboxRelay, OutboxService, UnitOutbox, outbox_for, outgoing_key
 from consumer_idem.transports.kafka import KafkaOutboxSender
 from consumer_idem.transports.rabbit import RabbitOutboxSender
+from tests._migrations import apply_by_hand
 from tests._outbox import FP, outbox_store, producer, rows
 from tests._outbox import header as header_of
 from tests._payments import read_topic
@@ -209,3 +211,44 @@ async def test_a_handler_commit_with_pending_messages_is_an_error_naming_them(
     assert "'orders.booked'" in str(outcome.error) and "'audit'" in str(outcome.error)
     assert len(outcome.error.messages) == 2
     assert await rows(store, scope) == []
+
+
+async def test_rows_from_before_runs_and_routes_keep_their_key_and_go_to_a_scoped_relay(
+    settings: Settings, pg_dsn: str, kafka_topic_factory: Any
+) -> None:
+    """A store as version 8 left it, with a message pending: after the upgrade the message has
+    no run and no route; a relay for every scope leaves it, one naming its scope sends it with
+    the key it was written with."""
+    schema = f"outbox_v8_{uuid.uuid4().hex[:10]}"
+    topic = await kafka_topic_factory("outbox-v8")
+    conn = await asyncpg.connect(pg_dsn)
+    pool = None
+    try:
+        await apply_by_hand(conn, schema, upto=8)
+        old_key = outgoing_key("s", "k", 0)  # what version 8 derived
+        await conn.execute(
+            f'INSERT INTO "{schema}".outbox_messages (scope, unit_key, position, destination,'
+            " body, header_names, header_values, idempotency_key)"
+            " VALUES ('s', 'k', 0, $1, 'old', ARRAY['idempotency-key'], ARRAY[$2::bytea], $3)",
+            topic,
+            old_key.encode(),
+            old_key,
+        )
+        pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
+        assert pool is not None
+        store = PostgresStore(pool, schema=schema)
+        store.outbox.relay_after = 0
+        assert 9 in await store.migrate()
+        (row,) = await rows(store, "s")
+        assert (row["run"], row["route"], row["status"]) == (None, None, "pending")
+        async with producer(settings.kafka_bootstrap) as p:
+            kafka = KafkaOutboxSender(p, cluster=settings.kafka_bootstrap)
+            assert (await OutboxRelay(store, kafka).run_once()).sent == 0
+            assert (await OutboxRelay(store, kafka, scopes=["s"]).run_once()).sent == 1
+        (record,) = await read_topic(settings.kafka_bootstrap, topic, 1)
+        assert record.value == b"old" and header_of(record) == old_key
+    finally:
+        if pool is not None:
+            await pool.close()
+        await conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
+        await conn.close()

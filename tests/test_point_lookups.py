@@ -214,7 +214,7 @@ async def test_an_index_a_failed_concurrent_build_left_invalid_is_rebuilt(pg_dsn
         assert pool is not None
         try:
             store = PostgresStore(pool, schema=schema)
-            assert await store.migrate() == [8]
+            assert (await store.migrate())[:1] == [8]  # (and any later ones)
             await run_two_phase(store, "s", "parked", FP, crash)
             assert [r.key for r in await store.reconciliation.due_notices()] == ["parked"]
         finally:
