@@ -9,7 +9,7 @@ row: every copy of one row (a dispatch, a relay's retries) carries the same key,
 run's messages carry others.
 
 A *route* is the transport and broker a sender sends to, as the sender states it (its ``route``
-attribute: ``kafka:<bootstrap servers>``, ``amqp:<host:port/vhost>``). A row records the route
+attribute: ``kafka:<bootstrap servers>``, ``amqp:<host:port>[/<vhost>]``). A row records the route
 of the sender serving its unit's scope when the unit ran, and a relay claims only rows of its
 own sender's route (:func:`route_of`), so a message is never sent through another transport or
 to another cluster than the one it was published for.

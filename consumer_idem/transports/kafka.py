@@ -195,14 +195,17 @@ class KafkaOutboxSender:
     one key share a partition and the idempotent producer keeps their order; those without a
     key go to a random partition.
 
-    ``cluster``: the cluster the producer reaches (its bootstrap servers, or a name of yours).
+    ``cluster``: the cluster the producer reaches (its bootstrap servers, in any order, or a
+    name of yours).
     The sender's ``route`` (``kafka:<cluster>``, ``kafka`` without one) is recorded with each
     outgoing message, and a relay with this sender sends only messages of that route: name the
     cluster when a process sends to more than one."""
 
     def __init__(self, producer: AIOKafkaProducer, *, cluster: str | None = None) -> None:
         self.producer = producer
-        self.route = broker_route("kafka", cluster)
+        # a bootstrap list names one cluster in any order: "a:9092,b:9092" is "b:9092,a:9092"
+        servers = sorted(s.strip() for s in (cluster or "").split(",") if s.strip())
+        self.route = broker_route("kafka", ",".join(servers))
         self._partitioner = DefaultPartitioner()
 
     def permanent(self, exc: BaseException) -> bool:

@@ -111,12 +111,14 @@ def _lost(exc: BaseException) -> bool:
 
 
 def amqp_where(url: str | None) -> str | None:
-    """``host:port/vhost`` of an AMQP URL (no credentials); a name that is no URL, as it is."""
+    """``host:port`` and, unless it is the default ``/``, ``/vhost`` of an AMQP URL (no
+    credentials); a name that is no URL, as it is."""
     if not url or "://" not in url:
         return url or None
     parsed = urlsplit(url)
-    vhost = unquote(parsed.path[1:]) or "/"
-    return f"{parsed.hostname}:{parsed.port or 5672}/{vhost}"
+    vhost = unquote(parsed.path[1:])
+    where = f"{parsed.hostname}:{parsed.port or 5672}"
+    return where if vhost in ("", "/") else f"{where}/{vhost}"
 
 
 def permanent(exc: BaseException) -> bool:
@@ -322,7 +324,7 @@ class RabbitOutboxSender:
 
     ``broker``: the broker reached (an AMQP URL, credentials are left out, or a name of
     yours; default: the URL of ``connection`` when it is a connection). The sender's ``route``
-    (``amqp:<host:port/vhost>``) is recorded with each outgoing message, and a relay with this
+    (``amqp:<host:port>[/<vhost>]``) is recorded with each outgoing message, and a relay with this
     sender sends only messages of that route."""
 
     def __init__(

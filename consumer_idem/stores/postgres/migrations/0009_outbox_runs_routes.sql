@@ -6,7 +6,7 @@
 --   operator) is a new run: its messages get new `idempotency-key`s (the key hashes the run),
 --   so the next consumer takes them as new messages. Re-sends of one row keep its stored key.
 -- * `route`: the transport and the broker (cluster) of the sender that serves the unit's scope
---   (`kafka:<bootstrap servers>`, `amqp:<host:port/vhost>`, as the sender states it). A relay
+--   (`kafka:<bootstrap servers>`, `amqp:<host:port>[/<vhost>]`, as the sender states it). A relay
 --   claims only rows of its own sender's route, so a Kafka unit's message never goes out
 --   through a RabbitMQ relay.
 --
