@@ -57,6 +57,7 @@ from consumer_idem.errors import (
     StoreUnavailable,
 )
 from consumer_idem.outbox_identity import outgoing_key, route_of
+from consumer_idem.outbox_stranded import report_stranded
 from consumer_idem.outbox_unit import UnitOutbox
 from consumer_idem.stores.postgres.outbox import (
     IDEMPOTENCY_HEADER,
@@ -583,6 +584,8 @@ class OutboxRelay:
         #: every pass so far, summed
         self.total = RelayReport()
         self._gauged: set[str] = set()
+        self.stranded_after = 300.0  #: seconds pending for another route: outbox_stranded
+        self.stranded_warned: set[tuple[str, str]] = set()
 
     async def run_once(self) -> RelayReport:
         """Send every due pending message (batch by batch), prune, update the gauges."""
@@ -664,6 +667,7 @@ class OutboxRelay:
             metrics.gauge("outbox_parked", label, parked)
             metrics.gauge("outbox_oldest_pending_seconds", label, oldest)
         self._gauged = {label for label, f in figures.items() if any(f)}
+        await report_stranded(self)
 
     async def run(self, stop: asyncio.Event, interval: float = 5.0) -> None:
         """A pass every ``interval`` seconds until ``stop`` is set."""

@@ -252,3 +252,51 @@ async def test_rows_from_before_runs_and_routes_keep_their_key_and_go_to_a_scope
             await pool.close()
         await conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
         await conn.close()
+
+
+async def test_messages_left_on_another_route_are_reported_and_can_be_moved(
+    settings: Settings,
+    pg_pool: asyncpg.Pool,
+    scope: str,
+    kafka_topic_factory: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A route names the cluster as it was configured: after a redeploy that spells it
+    otherwise (a bootstrap list with a broker added, a DNS name for an address) or moves the
+    scope to another transport, the messages left pending under the old route are no relay's.
+    The scope's relay must say so (a warning naming the route, the ``outbox_stranded`` gauge),
+    and an operator can move them to its route, where they go out with the key they had."""
+    store = outbox_store(pg_pool)
+    topic = await kafka_topic_factory("outbox-stranded")
+    old_route = "kafka:kafka-a.internal:9092,kafka-b.internal:9092"
+
+    async def book(conn: asyncpg.Connection) -> str:
+        outbox_for(conn).publish(topic, {"order": "o1"})
+        return "booked"
+
+    async with producer(settings.kafka_bootstrap) as p:
+        before = KafkaOutboxSender(p, cluster="kafka-b.internal:9092,kafka-a.internal:9092")
+        assert before.route == old_route
+        async with OutboxService(store, before, relay_interval=None, dispatch={"max_queued": 0}):
+            assert (await run_transactional(store, scope, "o1", FP, book)).kind is (
+                OutcomeKind.EXECUTED
+            )
+        (row,) = await rows(store, scope)
+
+        # redeployed: the same cluster, spelled as the new configuration spells it
+        relay = OutboxRelay(
+            store, KafkaOutboxSender(p, cluster=settings.kafka_bootstrap), scopes=[scope]
+        )
+        relay.stranded_after = 0.0
+        with caplog.at_level("WARNING", logger="consumer_idem.outbox"):
+            assert (await relay.run_once()).sent == 0  # not its route: never sent blindly
+        assert store.metrics.gauge_value("outbox_stranded", scope) == 1
+        warned = [r.getMessage() for r in caplog.records if "outbox_stranded" in r.getMessage()]
+        assert len(warned) == 1 and old_route in warned[0] and "reroute" in warned[0]
+
+        moved = await store.outbox.reroute(old_route, relay.route, scope=scope)
+        assert moved == 1
+        assert (await relay.run_once()).sent == 1
+        assert store.metrics.gauge_value("outbox_stranded", scope) == 0
+    (record,) = await read_topic(settings.kafka_bootstrap, topic, 1, within=5)
+    assert dict(record.headers)["idempotency-key"].decode() == row["idempotency_key"]

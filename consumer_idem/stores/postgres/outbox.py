@@ -491,6 +491,31 @@ class Outbox:
             "outbox_unpark", scope or "", None, sql, None if ids is None else list(ids), scope
         )
 
+    async def stranded(
+        self, scopes: Sequence[str], routes: Sequence[str], older_than: timedelta | float
+    ) -> list[tuple[str, str, int]]:
+        """(scope, route, count) of the messages of ``scopes`` pending for a route other than
+        ``routes`` (one no relay of these scopes sends) for longer than ``older_than``."""
+        sql = (
+            f"SELECT scope, route, count(*) AS n FROM {self.table} WHERE status = 'pending'"
+            " AND scope = ANY($1::text[]) AND route IS NOT NULL AND route <> ALL($2::text[])"
+            " AND created_at <= now() - $3::interval GROUP BY scope, route ORDER BY scope, route"
+        )
+        rows = await self._fetch(
+            "outbox_stranded", "", None, sql, list(scopes), list(routes), seconds(older_than)
+        )
+        return [(r["scope"], r["route"], r["n"]) for r in rows]
+
+    async def reroute(self, old: str, new: str, *, scope: str | None = None) -> int:
+        """Move the messages pending for route ``old`` (of ``scope``; None: every scope) to
+        route ``new``, due now: the same cluster spelled otherwise by a new configuration, or a
+        scope moved to another broker. Each keeps its ``idempotency-key``. Returns how many."""
+        sql = (
+            f"UPDATE {self.table} SET route = $2, due_at = now() WHERE status = 'pending'"
+            " AND route = $1 AND ($3::text IS NULL OR scope = $3)"
+        )
+        return await self._execute("outbox_reroute", scope or "", None, sql, old, new, scope)
+
     async def prune(self, older_than: timedelta | float, batch: int = 1000) -> int:
         """Delete up to ``batch`` sent messages sent more than ``older_than`` ago (small
         batches: call it again while it returns ``batch``). Pending and parked messages are
