@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from collections.abc import Sequence
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
-__all__ = ["broker_route", "new_run", "outgoing_key", "route_of"]
+__all__ = ["amqp_where", "broker_route", "kafka_where", "new_run", "outgoing_key", "route_of"]
 
 
 def new_run() -> str:
@@ -50,3 +52,23 @@ def route_of(sender: Any) -> str | None:
 def broker_route(transport: str, where: str | None) -> str:
     """``transport`` (``kafka``, ``amqp``) and, when known, the broker or cluster it reaches."""
     return transport if not where else f"{transport}:{where}"
+
+
+def kafka_where(servers: str | Sequence[str] | None) -> str | None:
+    """The cluster a Kafka bootstrap list names, spelled one way whatever the order or the form
+    of the list (``"b:9092,a:9092"``, ``["a:9092", "b:9092"]``): its servers, sorted (None:
+    none). A name of yours that is no list stays as it is."""
+    items = [servers] if isinstance(servers, str) else list(servers or [])
+    named = {s.strip() for item in items for s in item.split(",") if s.strip()}
+    return ",".join(sorted(named)) or None
+
+
+def amqp_where(url: str | None) -> str | None:
+    """``host:port`` and, unless it is the default ``/``, ``/vhost`` of an AMQP URL (no
+    credentials); a name that is no URL, as it is."""
+    if not url or "://" not in url:
+        return url or None
+    parsed = urlsplit(url)
+    vhost = unquote(parsed.path[1:])
+    where = f"{parsed.hostname}:{parsed.port or 5672}"
+    return where if vhost in ("", "/") else f"{where}/{vhost}"

@@ -3,6 +3,7 @@ FastStream subscriber (``IdempotentOutbox``), on real Postgres and Kafka."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -233,3 +234,86 @@ def test_a_faststream_relay_refuses_what_is_not_an_app(pg_pool: asyncpg.Pool, sc
         Idempotency(PostgresStore(pg_pool), broker=broker, scope=scope, app=object())
     with pytest.raises(IdempotencyConfigError, match="outbox_relay"):
         Idempotency(PostgresStore(pg_pool), broker=broker, scope=scope, outbox_relay=0)
+
+
+class _Unsent:
+    """A sender of another process, for the route it states: it sends nothing (the rows stay
+    pending, as a crash leaves them)."""
+
+    def __init__(self, route: str) -> None:
+        self.route = route
+
+    def permanent(self, exc: BaseException) -> bool:
+        return False
+
+    async def send_batch(self, messages: Any) -> list[BaseException | None]:
+        return [ConnectionError("not sent")] * len(messages)
+
+
+async def test_a_faststream_apps_relay_sends_its_own_clusters_rows_only(
+    settings: Settings, pg_pool: asyncpg.Pool, scope: str, kafka_topic_factory: Any
+) -> None:
+    """A FastStream app's route names its broker's cluster, as a runner's does: it relays a
+    message left by a runner of its scope on its cluster (the bootstrap list spelled in another
+    order), never one left for another cluster by an app of the same scope there."""
+    store = outbox_store(pg_pool)  # due for a relay at once
+    source = await kafka_topic_factory("outbox-fs-cluster")
+    events = await kafka_topic_factory("outbox-fs-cluster-out")
+    servers = [s.strip() for s in settings.kafka_bootstrap.split(",")]
+    here = "kafka:" + ",".join(sorted(servers))
+    elsewhere = "kafka:kafka.other-dc:9092"
+
+    for key, route in (("here", here), ("elsewhere", elsewhere)):
+
+        async def book(conn: asyncpg.Connection, key: str = key) -> str:
+            outbox_for(conn).publish(events, {"order": key})
+            return "booked"
+
+        async with OutboxService(
+            store, _Unsent(route), relay_interval=None, dispatch={"max_queued": 0}
+        ):
+            outcome = await run_transactional(store, scope, key, "v1:x", book)
+            assert outcome.kind is OutcomeKind.EXECUTED
+
+    broker = KafkaBroker(list(reversed(servers)), acks="all", enable_idempotence=True)
+    app = FastStream(broker)
+    idem = Idempotency(
+        store, broker=broker, scope=scope, key=header("idempotency-key"), app=app, outbox_relay=0.2
+    )
+    assert idem.route == here
+    router = KafkaRouter(middlewares=[idem])
+
+    @router.subscriber(source, group_id=unique("fsg"), ack_policy=AckPolicy.MANUAL)
+    async def handle(data: dict[str, Any]) -> None:  # never gets a message here
+        raise AssertionError(data)
+
+    broker.include_router(router)
+    await app.start()
+    try:
+
+        async def sent() -> bool:
+            return {r["unit_key"]: r["status"] for r in await rows(store, scope)}["here"] == "sent"
+
+        await wait_until(sent, 20, "the app's relay to send its cluster's message")
+        await asyncio.sleep(1.0)  # a few more passes of the relay
+    finally:
+        await app.stop()
+    statuses = {r["unit_key"]: r["status"] for r in await rows(store, scope)}
+    assert statuses == {"here": "sent", "elsewhere": "pending"}
+    records = await read_topic(settings.kafka_bootstrap, events, 2, within=5)
+    assert [json.loads(r.value) for r in records] == [{"order": "here"}]
+
+
+def test_a_faststream_rabbit_apps_route_is_its_runners_without_credentials(
+    settings: Settings, pg_pool: asyncpg.Pool, scope: str
+) -> None:
+    """A RabbitMQ app's route names its broker and vhost as a runner's sender does, so either
+    one relays what the other left on the same broker; the credentials are never stored."""
+    from faststream.rabbit import RabbitBroker
+
+    from consumer_idem.transports.rabbit import RabbitOutboxSender
+
+    url = "amqp://guest:s3cret@127.0.0.1:5672/orders%2Feu"
+    idem = Idempotency(PostgresStore(pg_pool), broker=RabbitBroker(url), scope=scope)
+    assert idem.route == RabbitOutboxSender(lambda: None, broker=url).route
+    assert idem.route == "amqp:127.0.0.1:5672/orders/eu" and "s3cret" not in idem.route

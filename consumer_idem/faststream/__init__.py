@@ -83,7 +83,7 @@ from consumer_idem.faststream.batch import (
 from consumer_idem.faststream.batch import (
     IdempotencyBatchContext as IdempotencyBatchContext,
 )
-from consumer_idem.faststream.relay import OutboxRelayTask
+from consumer_idem.faststream.relay import OutboxRelayTask, faststream_route
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import KEY_HEADER, SCOPE_HEADER, Notice
 from consumer_idem.options import ConsumerArgs, ConsumerOptions, Mode
@@ -94,7 +94,6 @@ from consumer_idem.outbox import (
     outbox_for,
     send_all,
 )
-from consumer_idem.outbox_identity import broker_route
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.transports import settle
 from consumer_idem.transports.settle import RunnerStats
@@ -626,8 +625,10 @@ class Idempotency:
         self.max_hold = max_hold
         self.stats = RunnerStats()
         self.transport = self._transport_for(broker)
-        #: the outbox sender's route: the broker's transport (see consumer_idem.outbox_identity)
-        self.route = broker_route("kafka" if isinstance(self.transport, _Kafka) else "amqp", None)
+        #: the outbox sender's route: the broker's transport and cluster (see .relay)
+        self.route = faststream_route(
+            broker, "kafka" if isinstance(self.transport, _Kafka) else "amqp"
+        )
         #: the relay of what a crash or an outage left in the outbox (see .relay)
         self.outbox_relay = OutboxRelayTask(self, outbox_relay, app)
         self._batch_consumer: IdempotentConsumer | None = None

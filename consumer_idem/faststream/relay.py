@@ -21,16 +21,28 @@ from typing import TYPE_CHECKING, Any
 
 from consumer_idem.errors import IdempotencyConfigError
 from consumer_idem.outbox import OutboxRelay
+from consumer_idem.outbox_identity import amqp_where, broker_route, kafka_where
 
 if TYPE_CHECKING:
     from consumer_idem.faststream import Idempotency
 
-__all__ = ["OutboxRelayTask"]
+__all__ = ["OutboxRelayTask", "faststream_route"]
 
 log = logging.getLogger("consumer_idem.faststream")
 
 #: how often a relay started without the app looks whether its broker still runs
 BROKER_WATCH = 0.5
+
+
+def faststream_route(broker: Any, transport: str) -> str:
+    """The route of a FastStream broker's outbox messages (``transport``: ``kafka`` or
+    ``amqp``) and its cluster, as the broker states it in its specification: the bootstrap
+    servers, or the AMQP URL without its credentials (the ones an app names with
+    ``specification_url`` where it gives them). A runner on the same cluster has the same."""
+    urls = [str(u) for u in getattr(getattr(broker, "specification", None), "url", None) or []]
+    if transport == "kafka":
+        return broker_route(transport, kafka_where(urls))
+    return broker_route(transport, amqp_where(urls[0] if urls else None))
 
 
 class OutboxRelayTask:

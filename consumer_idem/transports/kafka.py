@@ -66,7 +66,7 @@ from consumer_idem.key_strategies import ORIGINAL_OFFSET, ORIGINAL_PARTITION, OR
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import KEY_HEADER, SCOPE_HEADER, Notice
 from consumer_idem.outbox import HeldBack, OutboxService, OutgoingMessage
-from consumer_idem.outbox_identity import broker_route
+from consumer_idem.outbox_identity import broker_route, kafka_where
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.transports import settle
 from consumer_idem.transports.kafka_offsets import OffsetHook, PostgresOffsets
@@ -204,8 +204,7 @@ class KafkaOutboxSender:
     def __init__(self, producer: AIOKafkaProducer, *, cluster: str | None = None) -> None:
         self.producer = producer
         # a bootstrap list names one cluster in any order: "a:9092,b:9092" is "b:9092,a:9092"
-        servers = sorted(s.strip() for s in (cluster or "").split(",") if s.strip())
-        self.route = broker_route("kafka", ",".join(servers))
+        self.route = broker_route("kafka", kafka_where(cluster))
         self._partitioner = DefaultPartitioner()
 
     def permanent(self, exc: BaseException) -> bool:

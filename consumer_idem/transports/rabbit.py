@@ -38,7 +38,6 @@ import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import aiormq
@@ -64,7 +63,7 @@ from consumer_idem.message import ConsumerMessage, header_bytes
 from consumer_idem.notice import AMQP_PROPERTIES, KEY_HEADER, SCOPE_HEADER, Notice
 from consumer_idem.notice import ORIGINAL_QUEUE as ORIGINAL_QUEUE
 from consumer_idem.outbox import OutboxService, OutgoingMessage, send_all
-from consumer_idem.outbox_identity import broker_route
+from consumer_idem.outbox_identity import amqp_where, broker_route
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.transports import settle
 from consumer_idem.transports.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats, Settled
@@ -108,17 +107,6 @@ def _lost(exc: BaseException) -> bool:
         exc,
         aiormq.exceptions.AMQPError | aiormq.exceptions.ChannelInvalidStateError | ConnectionError,
     )
-
-
-def amqp_where(url: str | None) -> str | None:
-    """``host:port`` and, unless it is the default ``/``, ``/vhost`` of an AMQP URL (no
-    credentials); a name that is no URL, as it is."""
-    if not url or "://" not in url:
-        return url or None
-    parsed = urlsplit(url)
-    vhost = unquote(parsed.path[1:])
-    where = f"{parsed.hostname}:{parsed.port or 5672}"
-    return where if vhost in ("", "/") else f"{where}/{vhost}"
 
 
 def permanent(exc: BaseException) -> bool:
