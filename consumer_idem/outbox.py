@@ -551,10 +551,10 @@ class OutboxRelay:
     failed waits out its backoff as a whole and never holds back another one. ``scopes``: only
     these units' messages (None: all of its route; a relay naming its scopes also sends their
     messages that record no route, written before routes were recorded or where no sender was
-    attached). ``retention``: how long sent messages
-    are kept before each pass prunes them (in batches of ``prune_batch``). Each pass also sets
-    the outbox gauges of its scopes (``outbox_pending``, ``outbox_parked``,
-    ``outbox_oldest_pending_seconds``)."""
+    attached). ``retention``: how long sent messages are kept before each pass prunes them (in
+    batches of ``prune_batch``). Each pass also sets the outbox gauges of its scopes
+    (``outbox_pending``, ``outbox_parked``, ``outbox_oldest_pending_seconds``,
+    ``outbox_stranded``). A pass takes what was committed before it began."""
 
     def __init__(
         self,
@@ -588,13 +588,13 @@ class OutboxRelay:
         self.stranded_warned: set[tuple[str, str]] = set()
 
     async def run_once(self) -> RelayReport:
-        """Send every due pending message (batch by batch), prune, update the gauges."""
-        report = RelayReport()
+        """Send what was due and committed before the pass began, prune, update the gauges."""
+        report, upto = RelayReport(), await self.store.outbox.newest_id()
         while True:
-            done, claimed = await self._one_batch()
+            done, claimed = await self._one_batch(upto)
             report += done
-            # nothing more due, or nothing settled (a failed destination is held from now on,
-            # so the next batch goes to others; all failed: the next pass tries again)
+            # none due, or none settled (a failed destination is held now: the next batch
+            # goes to the others; all failed: the next pass tries again)
             if claimed == 0 or done.sent + done.parked == 0:
                 break
         pruned = 0
@@ -610,13 +610,13 @@ class OutboxRelay:
         self.total += report
         return report
 
-    async def _one_batch(self) -> tuple[RelayReport, int]:
+    async def _one_batch(self, upto: int | None) -> tuple[RelayReport, int]:
         store = self.store
         async with store.connection() as conn:
             try:
                 await conn.execute("BEGIN")
-                messages = await store.outbox.claim_due(conn, self.batch, self.scopes, self.route)
-                if not messages:
+                claim = store.outbox.claim_due(conn, self.batch, self.scopes, self.route, upto)
+                if not (messages := await claim):
                     await rollback(conn)
                     return RelayReport(), 0
                 done = await _send(self.sender, messages, self.send_timeout)

@@ -300,3 +300,44 @@ async def test_messages_left_on_another_route_are_reported_and_can_be_moved(
         assert store.metrics.gauge_value("outbox_stranded", scope) == 0
     (record,) = await read_topic(settings.kafka_bootstrap, topic, 1, within=5)
     assert dict(record.headers)["idempotency-key"].decode() == row["idempotency_key"]
+
+
+async def test_a_relay_pass_ends_while_new_messages_keep_coming(
+    settings: Settings, pg_pool: asyncpg.Pool, scope: str, kafka_topic_factory: Any
+) -> None:
+    """A pass sends what is due and ends: under a steady flow of new messages (here: no
+    dispatch, every message is the relay's) it must not chase them batch after batch forever,
+    or its pruning, its gauges and its stop would never come."""
+    store = outbox_store(pg_pool)  # due for a relay at once
+    topic = await kafka_topic_factory("outbox-steady")
+    flowing = asyncio.Event()
+    flowing.set()
+
+    async def flow(lane: int) -> None:
+        n = 0
+        while flowing.is_set():
+            n += 1
+
+            async def book(conn: asyncpg.Connection, n: int = n) -> str:
+                outbox_for(conn).publish(topic, {"n": n})
+                return "booked"
+
+            await run_transactional(store, scope, f"k{lane}-{n}", FP, book)
+
+    class Unhurried(KafkaOutboxSender):  # a broker that takes its time: messages pile up
+        async def send_batch(self, messages: Any) -> list[BaseException | None]:
+            await asyncio.sleep(0.2)
+            return await super().send_batch(messages)
+
+    async with producer(settings.kafka_bootstrap) as p:
+        relay = OutboxRelay(store, Unhurried(p, cluster="steady"), scopes=[scope])
+        flowing_task = asyncio.gather(*(flow(lane) for lane in range(4)))
+        try:
+            await asyncio.sleep(0.5)
+            started = time.monotonic()
+            report = await asyncio.wait_for(relay.run_once(), 20)
+            assert report.sent > 0
+            assert time.monotonic() - started < 5, "the pass chased the new messages"
+        finally:
+            flowing.clear()
+            await flowing_task

@@ -329,21 +329,22 @@ class Outbox:
         limit: int,
         scopes: Sequence[str] | None = None,
         route: str | None = None,
+        upto: int | None = None,
     ) -> list[OutgoingMessage]:
         """Inside the caller's transaction on ``conn``: lock up to about ``limit`` due pending
-        messages for ``route`` (the relay's sender's) that no other relay holds, shared out
-        between their destinations, each destination's in publishing order. Rows with no route
-        (written before version 9, or where no sender was attached) are taken only when
-        ``scopes`` names the scopes to take. Due: older than :attr:`relay_after` (never tried),
-        or past the backoff of a failed attempt. A destination with a message backing off is
-        held as a whole, in the query: it never takes the place of one that can be sent. A
-        message waits while an earlier one of its run, destination and key is pending and not
-        among them (held by another relay): order is kept per destination key. The
-        transaction's COMMIT will not wait for the disk (:data:`LAZY_COMMIT`)."""
+        messages (ids up to ``upto``; None: any) for ``route`` (the relay's sender's) that no other
+        relay holds, shared out between their destinations, each destination's in publishing order.
+        Rows with no route (written before version 9, or where no sender was attached) are taken
+        only when ``scopes`` names the scopes to take. Due: older than :attr:`relay_after` (never
+        tried), or past the backoff of a failed attempt. A destination with a message backing off is
+        held as a whole, in the query: it never takes the place of one that can be sent. A message
+        waits while an earlier one of its run, destination and key is pending and not among them
+        (held by another relay): order is kept per destination key. The transaction's COMMIT will
+        not wait for the disk (:data:`LAZY_COMMIT`)."""
         table = self.table
         mine = (
             "coalesce(route, '') = ANY($4::text[])"
-            " AND ($2::text[] IS NULL OR scope = ANY($2::text[]))"
+            " AND ($2::text[] IS NULL OR scope = ANY($2::text[])) AND id <= $5"
             " AND (due_at <= now() OR (due_at IS NULL AND created_at <= now() - $3::interval))"
         )
         sql = (
@@ -372,9 +373,23 @@ class Outbox:
         routes = ([] if route is None else [route]) + ([""] if wanted is not None else [])
         await self.store.run("outbox_claim", "", conn, lambda c: c.execute(LAZY_COMMIT))
         rows = await self._fetch(
-            "outbox_claim", "", conn, sql, limit, wanted, seconds(self.relay_after), routes
+            "outbox_claim",
+            "",
+            conn,
+            sql,
+            limit,
+            wanted,
+            seconds(self.relay_after),
+            routes,
+            (1 << 63) - 1 if upto is None else upto,
         )
         return [self._message(r) for r in rows]
+
+    async def newest_id(self) -> int:
+        """The id of the newest message (0: none): a relay pass takes none newer."""
+        sql = f"SELECT coalesce(max(id), 0) AS n FROM {self.table}"
+        rows = await self._fetch("outbox_newest", "", None, sql)
+        return int(rows[0]["n"])
 
     async def settle_claimed(
         self,
