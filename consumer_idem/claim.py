@@ -71,6 +71,7 @@ from consumer_idem.errors import (
     UnstorableResult,
 )
 from consumer_idem.outbox import UnitOutbox, close_units, committed, open_unit
+from consumer_idem.outbox_unit import lost_messages
 from consumer_idem.stores.base import Store
 from consumer_idem.stores.postgres.errors import is_database_outage, wrong_node
 from consumer_idem.stores.postgres.migrate import per_schema_name
@@ -330,7 +331,7 @@ class TransactionalClaim:
                 raise KeyInFlight(f"({self.scope!r}, {self.key!r}) is held right now") from exc
             raise
         if self.decision is None:  # ours: what the work publishes commits with it
-            self.outbox = open_unit(conn, self.scope, self.key)
+            self.outbox = open_unit(conn, self.scope, self.key, store)
         return self
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -481,6 +482,11 @@ class TransactionalClaim:
             and record.owner_token == self.token
         ):  # our re-acquired lease, committed by the work: park it now, not at expiry
             record = await self.store.mark_unknown(scope, key, self.token, why)
+        lost = lost_messages(self.outbox)
+        if lost is not None:  # never a success: what it published is gone
+            log.error("scope=%s key=%s: %s", scope, key, lost, extra={"scope": scope, "key": key})
+            self.outcome = failed_outcome(record, scope, key, lost, OutcomeKind.UNKNOWN, True)
+            return self.outcome
         if record is not None and record.status is Status.COMPLETED:
             self.outcome = Outcome(
                 OutcomeKind.REPLAYED, scope, key, record.result, record.result_kind, record

@@ -723,7 +723,7 @@ class IdempotentConsumer:
         results, then a checked COMMIT (with the messages they published: each member is its
         own unit, ``outbox_for(conn, message)``). Rolls back and raises on any failure."""
         members = [messages[i] for i in run]
-        units = open_batch(conn, self.scope, members, [key_at[i] for i in run])
+        units = open_batch(conn, self.scope, members, [key_at[i] for i in run], self.store)
         try:
             if not run:  # every member was decided by its record: nothing to hand the handler
                 await (execute_and_commit(conn, rider) if rider else commit(conn))

@@ -23,6 +23,7 @@ ConsumerIdemError
 ├── NotInTransaction (RuntimeError)  an HTTP request with no idempotency transaction to write in
 ├── SessionRolledBack                a bound SQLAlchemy session rolled the unit back
 ├── NoOutbox (RuntimeError)          ``outbox_for(conn)`` where no idempotent unit runs
+├── OutboxMessagesLost               a handler ended its unit's transaction with messages pending
 └── raised by handlers to classify their outcome:
     Retryable, Ambiguous, DomainError, PoisonMessage
 
@@ -131,6 +132,18 @@ class NoOutbox(ConsumerIdemError, RuntimeError):
     """``outbox_for(conn)`` on a connection that runs no transactional idempotent unit (or, in
     batch mode, without naming the message the outgoing one belongs to): nothing would commit
     the message with an effect, so it is refused instead of being sent unguarded."""
+
+
+class OutboxMessagesLost(ConsumerIdemError):
+    """A handler ended its unit's transaction itself (COMMIT or ROLLBACK on the claim's
+    connection) while messages it published through the outbox were pending: they were never
+    written, and will never be sent. The error names them (``messages``); the key is reported
+    ``unknown`` for an operator."""
+
+    def __init__(self, message: str, messages: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        #: each lost message: "position N to DESTINATION (idempotency-key K)"
+        self.messages = messages
 
 
 class KeyInFlight(ConsumerIdemError):

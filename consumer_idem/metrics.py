@@ -39,6 +39,7 @@ GAUGES = {
     "outbox_pending": "Outgoing messages committed and not yet confirmed by the broker.",
     "outbox_parked": "Outgoing messages the broker refused for good (an operator's).",
     "outbox_oldest_pending_seconds": "Age of the oldest pending outgoing message.",
+    "outbox_stranded": "Outgoing messages pending for a route no relay of their scope sends.",
 }
 
 HTTP_SCOPE_PREFIX = "http:"

@@ -27,8 +27,8 @@ had ``store.outbox.relay_after`` to do it. :class:`OutboxService` runs both for 
 
 What it promises: every message of a committed unit is sent at least once (a crash between the
 broker's confirmation and the mark sends it again), and never one of a unit that did not commit.
-Each carries an ``idempotency-key`` header derived from the unit's scope, key and the message's
-position in the unit (:func:`outgoing_key`), the same on every copy: a consumer using this
+Each carries an ``idempotency-key`` header derived from the unit's scope, key, run and the
+message's position in the unit (:func:`outgoing_key`), the same on every copy: a consumer using this
 library (``header("idempotency-key")``, the default key strategy) drops the copies for free.
 Messages of one unit to one destination with one key are sent in the order they were
 published. A message the broker refuses for good is parked with its reason
@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
 import weakref
 from collections import Counter, deque
@@ -52,7 +50,15 @@ from typing import Any, Protocol, runtime_checkable
 
 from consumer_idem.backoff import Backoff
 from consumer_idem.commit import commit, rollback
-from consumer_idem.errors import ConsumerIdemError, NoOutbox, StoreUnavailable
+from consumer_idem.errors import (
+    ConsumerIdemError,
+    IdempotencyConfigError,
+    NoOutbox,
+    StoreUnavailable,
+)
+from consumer_idem.outbox_identity import outgoing_key, route_of
+from consumer_idem.outbox_stranded import report_stranded
+from consumer_idem.outbox_unit import UnitOutbox
 from consumer_idem.stores.postgres.outbox import (
     IDEMPOTENCY_HEADER,
     OutboxScopeStats,
@@ -86,88 +92,6 @@ log = logging.getLogger("consumer_idem.outbox")
 RETRY_BACKOFF = Backoff(1.0, 300.0)
 
 
-def outgoing_key(scope: str, key: str, position: int) -> str:
-    """The ``idempotency-key`` of the message at ``position`` (0, 1, ...) of the unit
-    (``scope``, ``key``): the same on every run of that unit, on every copy of the message."""
-    digest = hashlib.sha256(f"outbox\x00{scope}\x00{key}\x00{position}".encode()).hexdigest()
-    return f"ci-{digest[:40]}"
-
-
-def _text_ok(value: str, what: str) -> str:
-    if not isinstance(value, str) or not value or "\x00" in value:
-        raise ValueError(f"{what} must be a non-empty string without NUL, not {value!r}")
-    return value
-
-
-def _as_bytes(value: str | bytes | bytearray | memoryview, what: str) -> bytes:
-    if isinstance(value, str):
-        return value.encode("utf-8")
-    if isinstance(value, bytes | bytearray | memoryview):
-        return bytes(value)
-    raise TypeError(f"{what} must be str or bytes, not {type(value).__name__}")
-
-
-class UnitOutbox:
-    """The outbox of one idempotent unit (one incoming ``scope``/``key``): what a handler
-    publishes through it commits with the unit, or not at all. Get it with :func:`outbox_for`."""
-
-    def __init__(self, scope: str, key: str) -> None:
-        self.scope = scope
-        self.key = key
-        #: the messages published so far, in order
-        self.messages: list[OutgoingMessage] = []
-
-    def publish(
-        self,
-        destination: str,
-        body: Any,
-        *,
-        headers: Mapping[str, str | bytes] | None = None,
-        key: str | bytes | None = None,
-    ) -> OutgoingMessage:
-        """Send ``body`` to ``destination`` (a Kafka topic, a RabbitMQ queue) once the unit
-        commits. ``body``: bytes, text (UTF-8) or a JSON value (sent as compact JSON with a
-        ``content-type: application/json`` header). ``key``: the Kafka record key (RabbitMQ
-        has none). The ``idempotency-key`` header is set here (:func:`outgoing_key`); passing
-        one of your own is an error. Nothing is sent now: returns the message as it will go."""
-        _text_ok(destination, "destination")
-        extra: dict[str, bytes] = {}
-        if isinstance(body, bytes | bytearray | memoryview):
-            data = bytes(body)
-        elif isinstance(body, str):
-            data = body.encode("utf-8")
-        else:
-            try:
-                data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
-            except (TypeError, ValueError) as exc:
-                raise TypeError(f"the body is neither bytes, text nor JSON: {exc}") from exc
-            extra["content-type"] = b"application/json"
-        given = {
-            _text_ok(name, "header name"): _as_bytes(value, f"header {name!r}")
-            for name, value in (headers or {}).items()
-        }
-        if any(name.lower() == IDEMPOTENCY_HEADER for name in given):
-            raise ValueError(
-                f"the {IDEMPOTENCY_HEADER!r} header is the outbox's own (derived from the unit "
-                "and the message's position, the same on every copy): do not set it"
-            )
-        position = len(self.messages)
-        idempotency_key = outgoing_key(self.scope, self.key, position)
-        all_headers = {**extra, **given, IDEMPOTENCY_HEADER: idempotency_key.encode()}
-        message = OutgoingMessage(
-            destination=destination,
-            body=data,
-            headers=tuple(all_headers.items()),
-            key=None if key is None else _as_bytes(key, "key"),
-            scope=self.scope,
-            unit_key=self.key,
-            position=position,
-            idempotency_key=idempotency_key,
-        )
-        self.messages.append(message)
-        return message
-
-
 # --- which unit runs on a connection -------------------------------------------------------------
 
 
@@ -178,6 +102,8 @@ class _Units:
     batch of hundreds should not pay for hundreds of empty outboxes."""
 
     scope: str
+    #: the route of the sender serving ``scope`` here when the units began
+    route: str | None = None
     single: UnitOutbox | None = None
     #: batch mode: the members, and each one's key
     messages: tuple[Any, ...] = ()
@@ -201,7 +127,7 @@ class _Units:
             raise NoOutbox("this message is not one of the batch this handler runs")
         unit = self.made.get(i)
         if unit is None:
-            unit = self.made[i] = UnitOutbox(self.scope, self.keys[i])
+            unit = self.made[i] = UnitOutbox(self.scope, self.keys[i], route=self.route)
         return unit
 
 
@@ -230,23 +156,41 @@ def outbox_for(conn: Any, message: Any = None) -> UnitOutbox:
     return units.of(message)
 
 
-def open_unit(conn: Any, scope: str, key: str) -> UnitOutbox:
-    """The claim engine: the unit (``scope``, ``key``) owns ``conn``'s transaction now."""
-    unit = UnitOutbox(scope, key)
-    _running[conn] = _Units(scope, single=unit)
+def _route_here(store: PostgresStore | None, scope: str) -> str | None:
+    dispatcher = None if store is None else dispatcher_for(store, scope)
+    return None if dispatcher is None else route_of(dispatcher.sender)
+
+
+def open_unit(conn: Any, scope: str, key: str, store: PostgresStore | None = None) -> UnitOutbox:
+    """The claim engine: the unit (``scope``, ``key``) owns ``conn``'s transaction now (a new
+    run of it; its messages are for the route of ``store``'s sender for ``scope``)."""
+    route = _route_here(store, scope)
+    unit = UnitOutbox(scope, key, route=route)
+    _running[conn] = _Units(scope, route, single=unit)
     return unit
 
 
-def open_batch(conn: Any, scope: str, messages: Sequence[Any], keys: Sequence[str]) -> _Units:
+def open_batch(
+    conn: Any,
+    scope: str,
+    messages: Sequence[Any],
+    keys: Sequence[str],
+    store: PostgresStore | None = None,
+) -> _Units:
     """Batch mode: each of ``messages`` (with its key, ``keys[i]``) is a unit in ``conn``'s
     transaction; what they published is ``pending(units)`` of the answer."""
-    units = _running[conn] = _Units(scope, messages=tuple(messages), keys=keys)
+    units = _Units(scope, _route_here(store, scope), messages=tuple(messages), keys=keys)
+    _running[conn] = units
     return units
 
 
 def close_units(conn: Any) -> None:
-    """The transaction on ``conn`` ended (committed or not)."""
-    _running.pop(conn, None)
+    """The transaction on ``conn`` ended (committed or not): its units' outboxes take no more
+    messages."""
+    units = _running.pop(conn, None)
+    if units is not None:
+        for unit in units.all():
+            unit.ended = True
 
 
 def pending(units: _Units) -> list[OutgoingMessage]:
@@ -260,7 +204,12 @@ def pending(units: _Units) -> list[OutgoingMessage]:
 @runtime_checkable
 class OutboxSender(Protocol):
     """What sends outgoing messages: ``KafkaOutboxSender``, ``RabbitOutboxSender``
-    (``consumer_idem.transports``), the runners, FastStream's ``Idempotency``."""
+    (``consumer_idem.transports``), the runners, FastStream's ``Idempotency``.
+
+    A sender also states its ``route`` (a string attribute: the transport and the broker it
+    sends to, e.g. ``kafka:<bootstrap servers>``), recorded with the messages it is to send;
+    a relay sends only messages of its sender's route (see :mod:`consumer_idem.outbox_identity`).
+    One without a ``route`` serves only relays that name their scopes."""
 
     async def send_batch(self, messages: Sequence[OutgoingMessage]) -> list[BaseException | None]:
         """Publish ``messages`` and wait for the broker's confirmations: for each, ``None``
@@ -561,7 +510,9 @@ def committed(store: PostgresStore, messages: list[OutgoingMessage]) -> None:
                 extra={"scope": scope},
             )
         return
-    dispatcher.enqueue(messages)
+    route = route_of(dispatcher.sender)
+    # (a sender attached meanwhile for another route: its rows are its own relay's)
+    dispatcher.enqueue([m for m in messages if m.route == route])
 
 
 async def backpressure(store: PostgresStore, scope: str) -> None:
@@ -595,10 +546,15 @@ class OutboxRelay:
     (``FOR UPDATE SKIP LOCKED``), sent and settled in one transaction, so relays in several
     processes share the work and never send the same message at the same time.
 
-    ``scopes``: only these units' messages (None: all). ``retention``: how long sent messages
-    are kept before each pass prunes them (in batches of ``prune_batch``). Each pass also sets
-    the outbox gauges of its scopes (``outbox_pending``, ``outbox_parked``,
-    ``outbox_oldest_pending_seconds``)."""
+    It sends only the messages published for its sender's route (the transport and broker the
+    sender states: ``sender.route``), destination by destination: a destination whose send
+    failed waits out its backoff as a whole and never holds back another one. ``scopes``: only
+    these units' messages (None: all of its route; a relay naming its scopes also sends their
+    messages that record no route, written before routes were recorded or where no sender was
+    attached). ``retention``: how long sent messages are kept before each pass prunes them (in
+    batches of ``prune_batch``). Each pass also sets the outbox gauges of its scopes
+    (``outbox_pending``, ``outbox_parked``, ``outbox_oldest_pending_seconds``,
+    ``outbox_stranded``). A pass takes what was committed before it began."""
 
     def __init__(
         self,
@@ -614,6 +570,13 @@ class OutboxRelay:
         self.store = store
         self.sender = sender
         self.scopes = None if scopes is None else sorted(scopes)
+        self.route = route_of(sender)
+        if self.route is None and self.scopes is None:
+            raise IdempotencyConfigError(
+                f"{type(sender).__name__} states no route (the transport and broker it sends "
+                "to: a 'route' attribute), so a relay for every scope cannot tell its own "
+                "messages from another transport's: give it a route, or name its scopes"
+            )
         self.batch = batch
         self.retention = retention
         self.prune_batch = prune_batch
@@ -621,14 +584,18 @@ class OutboxRelay:
         #: every pass so far, summed
         self.total = RelayReport()
         self._gauged: set[str] = set()
+        self.stranded_after = 300.0  #: seconds pending for another route: outbox_stranded
+        self.stranded_warned: set[tuple[str, str]] = set()
 
     async def run_once(self) -> RelayReport:
-        """Send every due pending message (batch by batch), prune, update the gauges."""
-        report = RelayReport()
+        """Send what was due and committed before the pass began, prune, update the gauges."""
+        report, upto = RelayReport(), await self.store.outbox.newest_id()
         while True:
-            done, claimed = await self._one_batch()
+            done, claimed = await self._one_batch(upto)
             report += done
-            if claimed < self.batch or done.sent == 0:  # nothing more due, or none goes
+            # none due, or none settled (a failed destination is held now: the next batch
+            # goes to the others; all failed: the next pass tries again)
+            if claimed == 0 or done.sent + done.parked == 0:
                 break
         pruned = 0
         while True:
@@ -643,13 +610,13 @@ class OutboxRelay:
         self.total += report
         return report
 
-    async def _one_batch(self) -> tuple[RelayReport, int]:
+    async def _one_batch(self, upto: int | None) -> tuple[RelayReport, int]:
         store = self.store
         async with store.connection() as conn:
             try:
                 await conn.execute("BEGIN")
-                messages = await store.outbox.claim_due(conn, self.batch, self.scopes)
-                if not messages:
+                claim = store.outbox.claim_due(conn, self.batch, self.scopes, self.route, upto)
+                if not (messages := await claim):
                     await rollback(conn)
                     return RelayReport(), 0
                 done = await _send(self.sender, messages, self.send_timeout)
@@ -700,6 +667,7 @@ class OutboxRelay:
             metrics.gauge("outbox_parked", label, parked)
             metrics.gauge("outbox_oldest_pending_seconds", label, oldest)
         self._gauged = {label for label, f in figures.items() if any(f)}
+        await report_stranded(self)
 
     async def run(self, stop: asyncio.Event, interval: float = 5.0) -> None:
         """A pass every ``interval`` seconds until ``stop`` is set."""

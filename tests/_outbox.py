@@ -114,6 +114,8 @@ class DieOnSend:
     """A sender that kills its process (SIGKILL) the moment a dispatch starts: the process dies
     after the unit's COMMIT, before anything of it reached the broker."""
 
+    route = "kafka"  # it stands in for a KafkaOutboxSender (of no named cluster)
+
     def permanent(self, exc: BaseException) -> bool:
         return False
 
@@ -145,3 +147,17 @@ async def _commit_and_die(dsn: str, scope: str, key: str, topic: str) -> None:
 
 if __name__ == "__main__":
     asyncio.run(_commit_and_die(*sys.argv[1:5]))
+
+
+async def sent_keys(store: PostgresStore, scope: str, position: int = 0) -> dict[str, str]:
+    """unit key -> the ``idempotency-key`` of its message at ``position``, as derived from the
+    row's unit and run (and checked against the key the row stores)."""
+    from consumer_idem.outbox import outgoing_key
+
+    keys = {}
+    for r in await rows(store, scope):
+        if r["position"] == position:
+            derived = outgoing_key(scope, r["unit_key"], position, str(r["run"]))
+            assert derived == r["idempotency_key"], (derived, r["idempotency_key"])
+            keys[r["unit_key"]] = derived
+    return keys

@@ -43,9 +43,9 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from consumer_idem import PostgresStore
 from consumer_idem.cli.settings import Settings
 from consumer_idem.consumer import DEAD_LETTER_REASON
-from consumer_idem.outbox import outgoing_key
 from examples.payments_producer import PARTITIONS, plan, send_kafka, send_rabbit
 from handlers.payments import LEDGER_SCOPE, ensure_tables
+from tests._outbox import sent_keys
 from tests._payments import assert_exactly_once, ledger_count, read_topic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -658,10 +658,8 @@ async def emit_under_strikes(
     await assert_exactly_once(pg_pool, run_id, messages)
 
     events = await read_events()
-    key_of = {
-        f"{run_id}-pay-{m.key.rsplit(':', 1)[1]}": outgoing_key(LEDGER_SCOPE, m.key, 0)
-        for m in messages
-    }
+    keys = await resilient(lambda: sent_keys(store, LEDGER_SCOPE))
+    key_of = {f"{run_id}-pay-{m.key.rsplit(':', 1)[1]}": keys[m.key] for m in messages}
     first: dict[str, str] = {}  # idempotency-key -> payment, deduplicated
     for key, payment in events:
         assert key == key_of.get(payment), f"event for {payment} with key {key!r}"

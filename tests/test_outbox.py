@@ -39,7 +39,7 @@ from consumer_idem.outbox import (
 from consumer_idem.stores.postgres import migrate
 from consumer_idem.transports.kafka import KafkaOutboxSender, KafkaRunner
 from tests._cli import cli
-from tests._outbox import FP, outbox_store, producer, rows
+from tests._outbox import FP, outbox_store, producer, rows, sent_keys
 from tests._outbox import header as header_of
 from tests._payments import read_topic, wait_until
 
@@ -74,11 +74,12 @@ async def test_a_committed_unit_is_sent_once_in_order_with_derived_keys(
     assert len(records) == 4
     keyed = [r for r in records if r.key == b"customer-1"]
     assert [json.loads(r.value)["n"] for r in keyed] == [0, 1, 2]  # one key: publish order
-    assert [header_of(r) for r in keyed] == [outgoing_key(scope, "k1", n) for n in range(3)]
+    run = str((await rows(store, scope))[0]["run"])  # the run that wrote them
+    assert [header_of(r) for r in keyed] == [outgoing_key(scope, "k1", n, run) for n in range(3)]
     assert dict(keyed[0].headers)["content-type"] == b"application/json"
     raw = next(r for r in records if r.key is None)
     assert raw.value == b"\x00raw" and header_of(raw, "x-trace") == "abc"
-    assert header_of(raw) == outgoing_key(scope, "k1", 3)
+    assert header_of(raw) == outgoing_key(scope, "k1", 3, run)
     assert [(r["status"], r["attempts"]) for r in await rows(store, scope)] == [("sent", 1)] * 4
 
 
@@ -119,8 +120,13 @@ async def test_a_rolled_back_unit_publishes_nothing_and_its_retry_publishes_once
         assert service.dispatcher is not None and await service.dispatcher.drain(10)
     records = await read_topic(settings.kafka_bootstrap, topic, 2, within=5)
     assert [json.loads(r.value) for r in records] == [{"key": "r1", "attempt": 2}]
-    # the retry's message carries the key its first attempt's would have had
-    assert header_of(records[0]) == outgoing_key(scope, "r1", 0)
+    # the retry's message carries the key of the run that committed it, as its row says
+    (row,) = await rows(store, scope)
+    assert (
+        header_of(records[0])
+        == row["idempotency_key"]
+        == outgoing_key(scope, "r1", 0, str(row["run"]))
+    )
 
 
 async def test_a_replayed_duplicate_publishes_nothing(
@@ -155,7 +161,7 @@ async def test_a_replayed_duplicate_publishes_nothing(
         await task
     assert ran == ['{"payment_id":"p1"}'] and runner.stats.duplicates == 2
     records = await read_topic(settings.kafka_bootstrap, events, 2, within=5)
-    assert len(records) == 1 and header_of(records[0]) == outgoing_key(scope, "pay-1", 0)
+    assert len(records) == 1 and header_of(records[0]) == (await sent_keys(store, scope))["pay-1"]
     assert [r["status"] for r in await rows(store, scope)] == ["sent"]
 
 
@@ -342,7 +348,8 @@ async def test_batch_mode_each_message_is_its_own_unit(
     records = await read_topic(settings.kafka_bootstrap, topic, 7)
     by_key = {header_of(r): json.loads(r.value)["i"] for r in records}
     assert len(records) == 7
-    assert by_key == {outgoing_key(scope, f"m{i}", 0): i for i in (0, 1, 2, 3, 4, 5, 7)}
+    keys = await sent_keys(store, scope)
+    assert by_key == {keys[f"m{i}"]: i for i in (0, 1, 2, 3, 4, 5, 7)}
 
 
 async def test_outbox_for_refuses_where_nothing_would_commit_the_message(

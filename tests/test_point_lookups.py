@@ -172,7 +172,7 @@ async def test_the_relay_settles_what_it_claimed_by_primary_key(grown: PostgresS
 
     store.outbox._execute = explained  # type: ignore[method-assign]
     async with store.pool.acquire() as conn, conn.transaction():
-        claimed = await store.outbox.claim_due(conn, 30)
+        claimed = await store.outbox.claim_due(conn, 30, ["s"])  # (rows of no route)
         assert len(claimed) == 30
         await store.outbox.settle_claimed(
             conn,
@@ -214,7 +214,7 @@ async def test_an_index_a_failed_concurrent_build_left_invalid_is_rebuilt(pg_dsn
         assert pool is not None
         try:
             store = PostgresStore(pool, schema=schema)
-            assert await store.migrate() == [8]
+            assert (await store.migrate())[:1] == [8]  # (and any later ones)
             await run_two_phase(store, "s", "parked", FP, crash)
             assert [r.key for r in await store.reconciliation.due_notices()] == ["parked"]
         finally:

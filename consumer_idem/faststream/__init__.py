@@ -90,6 +90,7 @@ from consumer_idem.faststream.batch import (
 from consumer_idem.faststream.batch import (
     IdempotencyBatchContext as IdempotencyBatchContext,
 )
+from consumer_idem.faststream.relay import OutboxRelayTask, faststream_route
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import KEY_HEADER, SCOPE_HEADER, Notice
 from consumer_idem.options import ConsumerArgs, ConsumerOptions, Mode
@@ -590,9 +591,13 @@ class Idempotency:
     It also serves as the transport of a :class:`~consumer_idem.operations.reconcile.Sweeper` or
     :class:`~consumer_idem.operations.reconcile.Reconciler` (``publish_notice``, ``redispatch``),
     and as the sender of the outbox (``send_batch``): what a handler publishes through
-    :data:`IdempotentOutbox` goes out through ``broker`` right after the commit. Run a relay for
-    what a crash leaves behind in the app's startup hook:
-    ``OutboxRelay(idem.store, idem, scopes=[idem.scope]).run(stop)``.
+    :data:`IdempotentOutbox` goes out through ``broker`` right after the commit, and a relay
+    sends what a crash or an outage left behind (``idem.outbox_relay``, see
+    :mod:`consumer_idem.faststream.relay`):
+
+    * ``outbox_relay``: seconds between the relay's passes (None: run no relay here);
+    * ``app``: the ``FastStream`` app: the relay starts once it has started its broker and
+      stops before it stops it (without it: at the first delivery, and with the broker).
     """
 
     def __init__(
@@ -607,6 +612,8 @@ class Idempotency:
         max_deliveries: int | None = 20,
         declare: bool = True,
         max_hold: float | None = 600.0,
+        outbox_relay: float | None = 5.0,
+        app: Any = None,
         **options: Unpack[ConsumerArgs],
     ) -> None:
         self._store_source = store
@@ -625,6 +632,12 @@ class Idempotency:
         self.max_hold = max_hold
         self.stats = RunnerStats()
         self.transport = self._transport_for(broker)
+        #: the outbox sender's route: the broker's transport and cluster (see .relay)
+        self.route = faststream_route(
+            broker, "kafka" if isinstance(self.transport, _Kafka) else "amqp"
+        )
+        #: the relay of what a crash or an outage left in the outbox (see .relay)
+        self.outbox_relay = OutboxRelayTask(self, outbox_relay, app)
         self._batch_consumer: IdempotentConsumer | None = None
         startup.guard_start(self, broker)  # unsafe subscribers refused before any fetch
 
@@ -906,6 +919,7 @@ class _Middleware(BaseMiddleware):
                 "ack_policy=AckPolicy.MANUAL"
             )
         self.message = msg
+        await idem.outbox_relay.first_delivery()
         if isinstance(msg.raw_message, tuple | list):  # a Kafka batch subscriber (a list: tests)
             self.members = batch.members(idem, self.subscriber, msg)
             ahead = None

@@ -73,6 +73,7 @@ from consumer_idem.key_strategies import ORIGINAL_OFFSET, ORIGINAL_PARTITION, OR
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import KEY_HEADER, SCOPE_HEADER, Notice
 from consumer_idem.outbox import HeldBack, OutboxService, OutgoingMessage
+from consumer_idem.outbox_identity import broker_route, kafka_where
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.transports import settle, start_failures
 from consumer_idem.transports.kafka_offsets import OffsetHook, PostgresOffsets
@@ -199,10 +200,18 @@ class KafkaOutboxSender:
     and far less work per message than a ``send()`` each. Keyed messages are placed by Kafka's
     default partitioner (murmur2, as the Java client and aiokafka place them), so messages with
     one key share a partition and the idempotent producer keeps their order; those without a
-    key go to a random partition."""
+    key go to a random partition.
 
-    def __init__(self, producer: AIOKafkaProducer) -> None:
+    ``cluster``: the cluster the producer reaches (its bootstrap servers, in any order, or a
+    name of yours).
+    The sender's ``route`` (``kafka:<cluster>``, ``kafka`` without one) is recorded with each
+    outgoing message, and a relay with this sender sends only messages of that route: name the
+    cluster when a process sends to more than one."""
+
+    def __init__(self, producer: AIOKafkaProducer, *, cluster: str | None = None) -> None:
         self.producer = producer
+        # a bootstrap list names one cluster in any order: "a:9092,b:9092" is "b:9092,a:9092"
+        self.route = broker_route("kafka", kafka_where(cluster))
         self._partitioner = DefaultPartitioner()
 
     def permanent(self, exc: BaseException) -> bool:
@@ -348,7 +357,7 @@ class KafkaRunner:
         self._producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, **producer)
         self.outbox = OutboxService(
             consumer.store,
-            KafkaOutboxSender(self._producer),
+            KafkaOutboxSender(self._producer, cluster=self.bootstrap),
             scopes=[consumer.scope],
             relay_interval=outbox_relay,
         )

@@ -69,6 +69,7 @@ from consumer_idem.message import ConsumerMessage, header_bytes
 from consumer_idem.notice import AMQP_PROPERTIES, KEY_HEADER, SCOPE_HEADER, Notice
 from consumer_idem.notice import ORIGINAL_QUEUE as ORIGINAL_QUEUE
 from consumer_idem.outbox import OutboxService, OutgoingMessage, send_all
+from consumer_idem.outbox_identity import amqp_where, broker_route
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.transports import settle, start_failures
 from consumer_idem.transports.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats, Settled
@@ -313,7 +314,12 @@ class RabbitOutboxSender:
     of its queue; a queue that exists with other arguments is taken as it is.
 
     Messages of one unit to one queue go one after the other (a queue keeps the order of one
-    channel's publishes); the others go side by side, each confirmed."""
+    channel's publishes); the others go side by side, each confirmed.
+
+    ``broker``: the broker reached (an AMQP URL, credentials are left out, or a name of
+    yours; default: the URL of ``connection`` when it is a connection). The sender's ``route``
+    (``amqp:<host:port>[/<vhost>]``) is recorded with each outgoing message, and a relay with this
+    sender sends only messages of that route."""
 
     def __init__(
         self,
@@ -322,7 +328,11 @@ class RabbitOutboxSender:
         declare: bool = True,
         queue_arguments: dict[str, Any] | None = None,
         concurrency: int = 256,
+        broker: str | None = None,
     ) -> None:
+        if broker is None and not callable(connection):
+            broker = str(getattr(connection, "url", "") or "") or None
+        self.route = broker_route("amqp", amqp_where(broker))
         self._connection_source = connection if callable(connection) else lambda: connection
         self.declare = declare
         self.queue_arguments = QUORUM if queue_arguments is None else queue_arguments
@@ -451,7 +461,10 @@ class RabbitRunner:
         self.outbox = OutboxService(
             consumer.store,
             RabbitOutboxSender(
-                lambda: self._connection, declare=declare, queue_arguments=self.queue_arguments
+                lambda: self._connection,
+                declare=declare,
+                queue_arguments=self.queue_arguments,
+                broker=self.url,
             ),
             scopes=[consumer.scope],
             relay_interval=outbox_relay,

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
+from uuid import UUID
 
 import asyncpg
 
@@ -36,8 +37,11 @@ IDEMPOTENCY_HEADER = "idempotency-key"
 class OutgoingMessage:
     """One message a unit published: where it goes, what it carries, and which unit it is of.
 
-    ``headers`` include ``idempotency-key`` (its value is ``idempotency_key``). ``id`` and
-    ``attempts`` are the row's, once read back from the table (a relay's messages)."""
+    ``headers`` include ``idempotency-key`` (its value is ``idempotency_key``). ``run``: the
+    execution of the unit that published it (a new one each time the key runs as new work);
+    ``route``: the transport and broker of the sender it is for (None: not known where it was
+    published; see :data:`consumer_idem.outbox_routes`). ``id`` and ``attempts`` are the row's,
+    once read back from the table (a relay's messages)."""
 
     destination: str
     body: bytes
@@ -49,11 +53,14 @@ class OutgoingMessage:
     idempotency_key: str
     id: int | None = None
     attempts: int = 0
+    run: str | None = None
+    route: str | None = None
 
     @property
-    def group(self) -> tuple[str, str, str, bytes | None]:
-        """Messages of one group keep their order: one unit, one destination, one key."""
-        return (self.scope, self.unit_key, self.destination, self.key)
+    def group(self) -> tuple[str, str, str | None, str, bytes | None]:
+        """Messages of one group keep their order: one run of a unit, one destination, one
+        key."""
+        return (self.scope, self.unit_key, self.run, self.destination, self.key)
 
     def header(self, name: str) -> bytes | None:
         return next((v for n, v in self.headers if n == name), None)
@@ -137,6 +144,10 @@ def _bytea(value: bytes) -> str:
     return f"decode('{value.hex()}', 'hex')"
 
 
+def _text_or_null(value: str | None) -> str:
+    return "NULL" if value is None else dollar_quote(value)
+
+
 class Outbox:
     """The store's transactional outbox (``store.outbox``)."""
 
@@ -176,6 +187,8 @@ class Outbox:
         "header_names",
         "header_values",
         "idempotency_key",
+        "run",
+        "route",
     )
 
     async def stage(self, conn: asyncpg.Connection, messages: Sequence[OutgoingMessage]) -> str:
@@ -201,6 +214,8 @@ class Outbox:
                     [n for n, _ in m.headers],
                     [v for _, v in m.headers],
                     m.idempotency_key,
+                    None if m.run is None else UUID(m.run),
+                    m.route,
                 )
                 for m in messages
             ],
@@ -222,7 +237,8 @@ class Outbox:
                 f" {dollar_quote(m.destination)},"
                 f" {'NULL' if m.key is None else _bytea(m.key)}, {_bytea(m.body)},"
                 f" ARRAY[{names}]::text[], ARRAY[{values}]::bytea[],"
-                f" {dollar_quote(m.idempotency_key)})"
+                f" {dollar_quote(m.idempotency_key)}, {_text_or_null(m.run)}::uuid,"
+                f" {_text_or_null(m.route)})"
             )
         return f"INSERT INTO {self.table} ({', '.join(self._COLUMNS)}) VALUES {', '.join(rows)}"
 
@@ -238,11 +254,13 @@ class Outbox:
         scopes = ", ".join(dollar_quote(m.scope) for m in messages)
         keys = ", ".join(dollar_quote(m.unit_key) for m in messages)
         positions = ", ".join(str(int(m.position)) for m in messages)
+        runs = ", ".join(_text_or_null(m.run) for m in messages)
+        # the run too: an earlier run of the key may still have its own rows pending
         return (
             f" FROM unnest(ARRAY[{scopes}]::text[], ARRAY[{keys}]::text[],"
-            f" ARRAY[{positions}]::int[]) AS u(s, k, p), lazy"
+            f" ARRAY[{positions}]::int[], ARRAY[{runs}]::uuid[]) AS u(s, k, p, r), lazy"
             " WHERE t.scope = u.s AND t.unit_key = u.k AND t.position = u.p"
-            " AND t.status = 'pending'"
+            " AND t.run IS NOT DISTINCT FROM u.r AND t.status = 'pending'"
         )
 
     async def mark_sent(self, messages: Sequence[OutgoingMessage]) -> int:
@@ -301,38 +319,77 @@ class Outbox:
             idempotency_key=row["idempotency_key"],
             id=row["id"],
             attempts=row["attempts"],
+            run=None if row["run"] is None else str(row["run"]),
+            route=row["route"],
         )
 
     async def claim_due(
-        self, conn: asyncpg.Connection, limit: int, scopes: Sequence[str] | None = None
+        self,
+        conn: asyncpg.Connection,
+        limit: int,
+        scopes: Sequence[str] | None = None,
+        route: str | None = None,
+        upto: int | None = None,
     ) -> list[OutgoingMessage]:
-        """Inside the caller's transaction on ``conn``: lock up to ``limit`` due pending messages
-        (of ``scopes``; None: all) that no other relay holds, in publishing order. Due: older
-        than :attr:`relay_after` (never tried), or past the backoff of a failed attempt. A message
-        waits while an earlier one of its unit, destination and key is pending and not among
-        them (held by another relay, or backing off): order is kept per destination key. The
-        transaction's COMMIT will not wait for the disk (:data:`LAZY_COMMIT`)."""
-        sql = (
-            f"WITH picked AS (SELECT id FROM {self.table} WHERE status = 'pending'"
+        """Inside the caller's transaction on ``conn``: lock up to about ``limit`` due pending
+        messages (ids up to ``upto``; None: any) for ``route`` (the relay's sender's) that no other
+        relay holds, shared out between their destinations, each destination's in publishing order.
+        Rows with no route (written before version 9, or where no sender was attached) are taken
+        only when ``scopes`` names the scopes to take. Due: older than :attr:`relay_after` (never
+        tried), or past the backoff of a failed attempt. A destination with a message backing off is
+        held as a whole, in the query: it never takes the place of one that can be sent. A message
+        waits while an earlier one of its run, destination and key is pending and not among them
+        (held by another relay): order is kept per destination key. The transaction's COMMIT will
+        not wait for the disk (:data:`LAZY_COMMIT`)."""
+        table = self.table
+        mine = (
+            "coalesce(route, '') = ANY($4::text[])"
+            " AND ($2::text[] IS NULL OR scope = ANY($2::text[])) AND id <= $5"
             " AND (due_at <= now() OR (due_at IS NULL AND created_at <= now() - $3::interval))"
-            " AND ($2::text[] IS NULL OR scope = ANY($2::text[]))"
-            # id + 0: sort the few unsent rows (found through their partial index) rather than
-            # walk the key's order through every sent row kept for the retention
-            " ORDER BY id + 0 LIMIT $1 FOR UPDATE SKIP LOCKED)"
-            f" SELECT o.* FROM {self.table} o JOIN picked USING (id)"
-            f" WHERE NOT EXISTS (SELECT 1 FROM {self.table} e WHERE e.status = 'pending'"
+        )
+        sql = (
+            # the destinations with something due, oldest first, but none backing off
+            f"WITH due AS (SELECT coalesce(route, '') AS r, destination AS d, min(id) AS first"
+            f" FROM {table} WHERE status = 'pending' AND {mine} GROUP BY 1, 2),"
+            " open AS (SELECT * FROM due WHERE NOT EXISTS (SELECT 1 FROM"
+            f" {table} h WHERE h.status = 'pending' AND coalesce(h.route, '') = due.r"
+            " AND h.destination = due.d AND h.due_at > now()) ORDER BY first LIMIT $1),"
+            # each its share of the batch, in publishing order
+            " picked AS (SELECT p.id FROM open CROSS JOIN LATERAL (SELECT id"
+            f" FROM {table} WHERE status = 'pending' AND coalesce(route, '') = open.r"
+            f" AND destination = open.d AND {mine} ORDER BY id"
+            " LIMIT greatest(1, $1 / (SELECT count(*) FROM open))"
+            " FOR UPDATE SKIP LOCKED) p)"
+            f" SELECT o.* FROM {table} o JOIN picked USING (id)"
+            f" WHERE NOT EXISTS (SELECT 1 FROM {table} e WHERE e.status = 'pending'"
             " AND e.scope = o.scope AND e.unit_key = o.unit_key AND e.position < o.position"
-            " AND e.destination = o.destination"
+            " AND e.run IS NOT DISTINCT FROM o.run AND e.destination = o.destination"
             " AND e.message_key IS NOT DISTINCT FROM o.message_key"
             " AND e.id NOT IN (SELECT id FROM picked))"
             " ORDER BY o.id"
         )
         wanted = None if scopes is None else list(scopes)
+        # "": rows nobody routed, taken only by a relay that names the scopes it serves
+        routes = ([] if route is None else [route]) + ([""] if wanted is not None else [])
         await self.store.run("outbox_claim", "", conn, lambda c: c.execute(LAZY_COMMIT))
         rows = await self._fetch(
-            "outbox_claim", "", conn, sql, limit, wanted, seconds(self.relay_after)
+            "outbox_claim",
+            "",
+            conn,
+            sql,
+            limit,
+            wanted,
+            seconds(self.relay_after),
+            routes,
+            (1 << 63) - 1 if upto is None else upto,
         )
         return [self._message(r) for r in rows]
+
+    async def newest_id(self) -> int:
+        """The id of the newest message (0: none): a relay pass takes none newer."""
+        sql = f"SELECT coalesce(max(id), 0) AS n FROM {self.table}"
+        rows = await self._fetch("outbox_newest", "", None, sql)
+        return int(rows[0]["n"])
 
     async def settle_claimed(
         self,
@@ -448,6 +505,31 @@ class Outbox:
         return await self._execute(
             "outbox_unpark", scope or "", None, sql, None if ids is None else list(ids), scope
         )
+
+    async def stranded(
+        self, scopes: Sequence[str], routes: Sequence[str], older_than: timedelta | float
+    ) -> list[tuple[str, str, int]]:
+        """(scope, route, count) of the messages of ``scopes`` pending for a route other than
+        ``routes`` (one no relay of these scopes sends) for longer than ``older_than``."""
+        sql = (
+            f"SELECT scope, route, count(*) AS n FROM {self.table} WHERE status = 'pending'"
+            " AND scope = ANY($1::text[]) AND route IS NOT NULL AND route <> ALL($2::text[])"
+            " AND created_at <= now() - $3::interval GROUP BY scope, route ORDER BY scope, route"
+        )
+        rows = await self._fetch(
+            "outbox_stranded", "", None, sql, list(scopes), list(routes), seconds(older_than)
+        )
+        return [(r["scope"], r["route"], r["n"]) for r in rows]
+
+    async def reroute(self, old: str, new: str, *, scope: str | None = None) -> int:
+        """Move the messages pending for route ``old`` (of ``scope``; None: every scope) to
+        route ``new``, due now: the same cluster spelled otherwise by a new configuration, or a
+        scope moved to another broker. Each keeps its ``idempotency-key``. Returns how many."""
+        sql = (
+            f"UPDATE {self.table} SET route = $2, due_at = now() WHERE status = 'pending'"
+            " AND route = $1 AND ($3::text IS NULL OR scope = $3)"
+        )
+        return await self._execute("outbox_reroute", scope or "", None, sql, old, new, scope)
 
     async def prune(self, older_than: timedelta | float, batch: int = 1000) -> int:
         """Delete up to ``batch`` sent messages sent more than ``older_than`` ago (small
