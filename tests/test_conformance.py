@@ -6,6 +6,7 @@ Leases expire in real time here (short leases), the same way for both stores.
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from consumer_idem import (
     DecisionKind,
     DomainError,
     Executed,
+    KeyHeld,
     LeaseLost,
     NotExecuted,
     NotUnknown,
@@ -175,6 +177,19 @@ async def test_evict_by_operator(any_store: Any, scope: str) -> None:
     assert await any_store.get(scope, "k") is None
     assert await any_store.evict(scope, "k") is False
     assert (await any_store.reserve(scope, "k", FP)).kind is DecisionKind.EXECUTE
+
+
+async def test_an_operator_evict_refuses_a_key_a_worker_holds(any_store: Any, scope: str) -> None:
+    """Deleted under a running call, a duplicate delivered before the call ends would run it
+    again: an operator's evict (no token) of a held key raises ``KeyHeld`` and changes nothing,
+    in every store."""
+    held = await any_store.reserve(scope, "k", FP, lease=60)
+    with pytest.raises(KeyHeld) as refused:
+        await any_store.evict(scope, "k")
+    assert refused.value.held_until > datetime.now(UTC)
+    assert (await any_store.reserve(scope, "k", FP)).kind is DecisionKind.IN_PROGRESS
+    await any_store.complete(scope, "k", held.token, 1)
+    assert await any_store.evict(scope, "k") is True
 
 
 async def test_two_phase_execution_classifies_the_same(any_store: Any, scope: str) -> None:

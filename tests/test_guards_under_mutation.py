@@ -7,7 +7,9 @@ change the guard and the test named after its behaviour fails.
 * an ``expired`` (soft-pruned) row is re-claimed by one reserver only (``reserve()``);
 * a webhook event id reused with another payload is refused (``webhooks.py``);
 * ``keep_original`` holds the record's row while it keeps an original, so a concurrent "not
-  executed" resolution cannot leave that original unarmed (``redispatch.py``).
+  executed" resolution cannot leave that original unarmed (``redispatch.py``);
+* batch mode with offsets in Postgres stores no offset past a key repeated with another
+  payload, which is still to be dead-lettered (``consumer._settled_prefix``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import time
 from typing import Any
 
@@ -31,10 +34,13 @@ from consumer_idem import (
     NotExecuted,
     PostgresStore,
     Status,
+    header,
+    idempotent_consumer,
 )
 from consumer_idem.commit import rollback
 from consumer_idem.notice import encode_notice, make_notice
 from consumer_idem.operations.reconcile import Reconciler
+from consumer_idem.transports.kafka_offsets import OffsetHook, PostgresOffsets
 from consumer_idem.types import Record
 from consumer_idem.webhooks import WebhookReceiver, sign_standard, standard_verifier
 
@@ -219,3 +225,40 @@ async def test_an_original_kept_during_a_not_executed_resolution_is_never_left_u
     assert status is not Status.UNKNOWN, "the delivery would be acked with its original unarmed"
     record = await store.get(scope, "k")
     assert record is not None and record.status is Status.FAILED_RETRYABLE
+
+
+async def test_offsets_in_postgres_stop_before_a_repeated_key_with_another_payload(
+    store: PostgresStore, pg_pool: asyncpg.Pool, scope: str
+) -> None:
+    """Batch mode, offsets kept in Postgres: a key repeated in one batch with another payload is
+    dead-lettered after the COMMIT, so the offset that COMMIT stores must stop before it. Were it
+    counted as settled, a crash before its dead letter is published would skip it for good."""
+    await pg_pool.execute("CREATE TABLE IF NOT EXISTS guard_batch (scope text, n int)")
+
+    @idempotent_consumer(store, scope=scope, key=header("idempotency-key"), batch=True)
+    async def book(batch: list[ConsumerMessage], conn: asyncpg.Connection) -> None:
+        for message in batch:
+            await conn.execute(
+                "INSERT INTO guard_batch VALUES ($1, $2)", scope, message.json()["n"]
+            )
+
+    def record(offset: int, key: str, n: int) -> ConsumerMessage:
+        return ConsumerMessage(
+            json.dumps({"n": n}).encode(),
+            {"idempotency-key": key.encode()},
+            topic="payments",
+            partition=0,
+            offset=offset,
+        )
+
+    group = f"group-{scope}"
+    hook = OffsetHook(PostgresOffsets(store, group), {})
+    verdicts = await book.process_batch(
+        [record(10, "a", 1), record(11, "b", 2), record(12, "a", 3)], hook
+    )
+    assert [v.action for v in verdicts] == [Action.ACK, Action.ACK, Action.DEAD_LETTER]
+    assert verdicts[2].reason == "key_misuse"
+    stored = await pg_pool.fetchval(
+        f"SELECT next_offset FROM {store.schema}.kafka_offsets WHERE group_id = $1", group
+    )
+    assert stored == 12  # up to b; the misused repeat (12) is the runner's to settle

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
-from consumer_idem.errors import LeaseLost, NotUnknown, StoreUnavailable
+from consumer_idem.errors import KeyHeld, LeaseLost, NotUnknown, StoreUnavailable
 from consumer_idem.metrics import Metrics
 from consumer_idem.stores.base import DEFAULT_LEASE, Retention, StoreBase, seconds
 from consumer_idem.stores.redis_commands import Commands
@@ -163,10 +163,19 @@ return {now, unpack(redis.call('HGETALL', KEYS[1]))}
 """
 )
 
-_EVICT = """
-if ARGV[1] ~= '' and redis.call('HGET', KEYS[1], 'tok') ~= ARGV[1] then return 0 end
+#: an operator's evict (no token) of a key a worker holds answers minus its lease end (ms)
+_EVICT = (
+    _NOW
+    + """
+if ARGV[1] ~= '' then
+  if redis.call('HGET', KEYS[1], 'tok') ~= ARGV[1] then return 0 end
+else
+  local h, n = load(KEYS[1])
+  if n > 0 and h.st == 'in_progress' and tonumber(h.lu) > now then return -tonumber(h.lu) end
+end
 return redis.call('DEL', KEYS[1])
 """
+)
 
 _SWEEP = (
     _NOW
@@ -489,6 +498,10 @@ class RedisStore(StoreBase):
         return _record(scope, key, pairs)
 
     async def evict(self, scope: str, key: str, *, token: uuid.UUID | None = None) -> bool:
+        """Delete a record. With ``token``, only while that owner still holds it; without, as
+        an operator: False when there is no record, :class:`KeyHeld` when a worker holds it
+        (nothing evicted). The Redis store keeps no original messages (reconciliation is
+        Postgres-only): an ``unknown`` key whose delivery was acked has no copy here to send."""
         deleted = await self._run(
             "evict",
             scope,
@@ -499,6 +512,8 @@ class RedisStore(StoreBase):
         if token is not None and not deleted:
             self.metrics.inc("lease_lost", scope)
             raise LeaseLost(f"evict: ({scope!r}, {key!r}) is no longer held by this owner")
+        if int(deleted) < 0:  # a worker holds it: deleted under its call, a duplicate reruns it
+            raise KeyHeld(scope, key, _at(-int(deleted)))
         return bool(deleted)
 
     async def sweep(self, *, batch_size: int = 500) -> int:
