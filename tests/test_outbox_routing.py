@@ -212,6 +212,11 @@ async def test_a_handler_commit_with_pending_messages_is_an_error_naming_them(
     assert "'orders.booked'" in str(outcome.error) and "'audit'" in str(outcome.error)
     assert len(outcome.error.messages) == 2
     assert await rows(store, scope) == []
+    # counted where monitoring sees it: the record cannot say it (the handler's COMMIT made its
+    # claim durable, so a redelivery replays) and nothing is left to send
+    assert store.metrics.count("outbox_lost", scope) == 2
+    again = await run_transactional(store, scope, "k1", FP, book)
+    assert again.kind is OutcomeKind.REPLAYED and await rows(store, scope) == []
 
 
 async def test_rows_from_before_runs_and_routes_keep_their_key_and_go_to_a_scoped_relay(
