@@ -22,9 +22,3 @@ ALTER TABLE outbox_messages ADD COLUMN run uuid, ADD COLUMN route text;
 -- not yet sent, so it stays as small as the backlog.
 CREATE INDEX outbox_messages_relay
     ON outbox_messages ((coalesce(route, '')), destination, id) WHERE status = 'pending';
-
--- A destination is held while one of its messages backs off after a failed send: the few rows
--- that failed, by destination and due time, so that the relay looks it up, never scans it.
-CREATE INDEX outbox_messages_held
-    ON outbox_messages ((coalesce(route, '')), destination, due_at)
-    WHERE status = 'pending' AND due_at IS NOT NULL;
