@@ -485,6 +485,7 @@ class TransactionalClaim:
         lost = lost_messages(self.outbox)
         if lost is not None:  # never a success: what it published is gone
             log.error("scope=%s key=%s: %s", scope, key, lost, extra={"scope": scope, "key": key})
+            self.store.metrics.inc("outbox_lost", scope, len(lost.messages))
             self.outcome = failed_outcome(record, scope, key, lost, OutcomeKind.UNKNOWN, True)
             return self.outcome
         if record is not None and record.status is Status.COMPLETED:

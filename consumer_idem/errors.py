@@ -137,8 +137,10 @@ class NoOutbox(ConsumerIdemError, RuntimeError):
 class OutboxMessagesLost(ConsumerIdemError):
     """A handler ended its unit's transaction itself (COMMIT or ROLLBACK on the claim's
     connection) while messages it published through the outbox were pending: they were never
-    written, and will never be sent. The error names them (``messages``); the key is reported
-    ``unknown`` for an operator."""
+    written, and will never be sent. The error names them (``messages``), the outcome is
+    ``unknown`` and the counter ``outbox_lost`` counts them; the key's record stays as the
+    handler's COMMIT left it (a redelivery replays it), so the error and the log are where an
+    operator finds what to send again."""
 
     def __init__(self, message: str, messages: tuple[str, ...] = ()) -> None:
         super().__init__(message)

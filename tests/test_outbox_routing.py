@@ -7,6 +7,7 @@ a handler that ends the transaction with messages pending is an error naming the
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from typing import Any
@@ -211,6 +212,11 @@ async def test_a_handler_commit_with_pending_messages_is_an_error_naming_them(
     assert "'orders.booked'" in str(outcome.error) and "'audit'" in str(outcome.error)
     assert len(outcome.error.messages) == 2
     assert await rows(store, scope) == []
+    # counted where monitoring sees it: the record cannot say it (the handler's COMMIT made its
+    # claim durable, so a redelivery replays) and nothing is left to send
+    assert store.metrics.count("outbox_lost", scope) == 2
+    again = await run_transactional(store, scope, "k1", FP, book)
+    assert again.kind is OutcomeKind.REPLAYED and await rows(store, scope) == []
 
 
 async def test_rows_from_before_runs_and_routes_keep_their_key_and_go_to_a_scoped_relay(
@@ -341,3 +347,52 @@ async def test_a_relay_pass_ends_while_new_messages_keep_coming(
         finally:
             flowing.clear()
             await flowing_task
+
+
+def _rows_read(node: dict[str, Any]) -> int:
+    """Rows an executed plan read from tables and indexes (kept or filtered out), in all."""
+    own = 0
+    if "Relation Name" in node or "Index Name" in node:
+        seen = node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
+        own = int(seen * node["Actual Loops"])
+    return own + sum(_rows_read(child) for child in node.get("Plans", []))
+
+
+async def test_a_relays_claim_reads_its_destinations_not_the_backlog(
+    pg_pool: asyncpg.Pool, scope: str
+) -> None:
+    """An outage leaves a backlog: a batch the relay claims must cost a few index probes per
+    destination and per message it takes, not a read of every pending message (20,000 here,
+    in three destinations, one of them backing off), or the relay slows down as the backlog
+    grows, when it is needed most."""
+    store = outbox_store(pg_pool)
+    route = f"kafka:{uuid.uuid4().hex}"
+    table = store.outbox.table
+    await pg_pool.execute(
+        f"INSERT INTO {table} (scope, unit_key, position, destination, body, idempotency_key,"
+        " run, route, created_at) SELECT $1, 'k' || i, 0, $1 || '-d' || (i % 3), '\\x00', $1 || i,"
+        " gen_random_uuid(), $2, now() - interval '1 hour' FROM generate_series(1, 20000) i",
+        scope,
+        route,
+    )
+    await pg_pool.execute(  # d0 backs off after a failed send
+        f"UPDATE {table} SET due_at = now() + interval '1 hour', attempts = 1 WHERE id ="
+        f" (SELECT min(id) FROM {table} WHERE scope = $1 AND destination = $1 || '-d0')",
+        scope,
+    )
+    await pg_pool.execute(f"ANALYZE {table}")
+    read: list[int] = []
+    fetch = store.outbox._fetch
+
+    async def explained(operation: str, scope_: str, conn: Any, sql: str, *args: Any) -> Any:
+        if operation == "outbox_claim":
+            plan = await conn.fetchval(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", *args)
+            read.append(_rows_read(json.loads(plan)[0]["Plan"]))
+        return await fetch(operation, scope_, conn, sql, *args)
+
+    store.outbox._fetch = explained  # type: ignore[method-assign]
+    async with pg_pool.acquire() as conn, conn.transaction():
+        claimed = await store.outbox.claim_due(conn, 200, None, route)  # OutboxService's
+    assert len(claimed) == 200
+    assert {m.destination for m in claimed} == {f"{scope}-d1", f"{scope}-d2"}  # d0 is held
+    assert read and read[0] < 5 * 200, f"one batch of 200 read {read[0]} rows"

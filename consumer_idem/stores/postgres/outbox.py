@@ -348,12 +348,23 @@ class Outbox:
             " AND (due_at <= now() OR (due_at IS NULL AND created_at <= now() - $3::interval))"
         )
         sql = (
-            # the destinations with something due, oldest first, but none backing off
-            f"WITH due AS (SELECT coalesce(route, '') AS r, destination AS d, min(id) AS first"
-            f" FROM {table} WHERE status = 'pending' AND {mine} GROUP BY 1, 2),"
-            " open AS (SELECT * FROM due WHERE NOT EXISTS (SELECT 1 FROM"
-            f" {table} h WHERE h.status = 'pending' AND coalesce(h.route, '') = due.r"
-            " AND h.destination = due.d AND h.due_at > now()) ORDER BY first LIMIT $1),"
+            # the destinations with something pending, one index probe each (not a read of
+            # every pending row: a backlog must not slow each batch down)
+            "WITH RECURSIVE dests AS (SELECT s.r, s.d FROM unnest($4::text[]) AS x(r)"
+            f" CROSS JOIN LATERAL (SELECT x.r AS r, destination AS d FROM {table}"
+            " WHERE status = 'pending' AND coalesce(route, '') = x.r ORDER BY destination"
+            " LIMIT 1) s UNION ALL SELECT n.r, n.d FROM dests CROSS JOIN LATERAL"
+            f" (SELECT dests.r AS r, destination AS d FROM {table} WHERE status = 'pending'"
+            " AND coalesce(route, '') = dests.r AND destination > dests.d"
+            " ORDER BY destination LIMIT 1) n),"
+            # those with something due, oldest first, but none backing off
+            " open AS (SELECT dests.r, dests.d, f.first FROM dests CROSS JOIN LATERAL"
+            f" (SELECT id AS first FROM {table} WHERE status = 'pending'"
+            f" AND coalesce(route, '') = dests.r AND destination = dests.d AND {mine}"
+            " ORDER BY id LIMIT 1) f WHERE NOT EXISTS (SELECT 1 FROM"
+            f" {table} h WHERE h.status = 'pending' AND h.due_at IS NOT NULL"
+            " AND coalesce(h.route, '') = dests.r AND h.destination = dests.d"
+            " AND h.due_at > now()) ORDER BY f.first LIMIT $1),"
             # each its share of the batch, in publishing order
             " picked AS (SELECT p.id FROM open CROSS JOIN LATERAL (SELECT id"
             f" FROM {table} WHERE status = 'pending' AND coalesce(route, '') = open.r"
