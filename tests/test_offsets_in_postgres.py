@@ -16,7 +16,8 @@ from typing import Any
 import asyncpg
 import pytest
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.admin import NewTopic
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
 from consumer_idem import (
     ConsumerMessage,
@@ -73,7 +74,7 @@ async def stopped(proc: asyncio.subprocess.Process) -> dict[str, Any]:
 
 async def stored_offsets(store: PostgresStore, group: str, topic: str, n: int) -> dict[int, int]:
     found = await PostgresOffsets(store, group).load((topic, p) for p in range(n))
-    return {p: offset for (_, p), offset in found.items()}
+    return {p: offset for (_, p), (offset, _) in found.items()}
 
 
 async def crash_then_restart(
@@ -326,3 +327,78 @@ def test_offsets_in_postgres_needs_an_idempotent_consumer() -> None:
 
     with pytest.raises(TypeError, match="idempotent_consumer"):
         KafkaRunner(NotOne(), topics=["t"], group_id="g", offsets_in_postgres=True)  # type: ignore[arg-type]
+
+
+async def recreate_topic(admin: Any, topic: str) -> None:
+    """Delete ``topic`` and create it again under its name (a new, empty log)."""
+    await admin.delete_topics([topic])
+    deadline = asyncio.get_running_loop().time() + 60
+    while True:
+        try:
+            if topic not in await admin.list_topics():
+                await admin.create_topics([NewTopic(topic, 1, 1)])
+                return
+        except (TopicAlreadyExistsError, KafkaError):  # still being deleted
+            pass
+        assert asyncio.get_running_loop().time() < deadline, "the topic was not created again"
+        await asyncio.sleep(0.5)
+
+
+async def test_a_topic_created_again_runs_every_record_of_its_new_log(
+    settings: Settings,
+    store: PostgresStore,
+    kafka_admin: Any,
+    kafka_topic_factory: Any,
+    run_id: str,
+) -> None:
+    """Offsets stored for a topic that was deleted and created again belong to the old log:
+    the runner starts the new one at Kafka's committed offset (gone with the topic), runs all
+    of its records, says so and counts it."""
+    topic = await kafka_topic_factory("offsets-recreated")
+    ran: list[str] = []
+
+    @idempotent_consumer(store, scope=f"scope-{run_id}", key=header("idempotency-key"))
+    async def handler(message: ConsumerMessage, conn: asyncpg.Connection) -> None:
+        ran.append(message.headers["idempotency-key"].decode())
+
+    async def produce(prefix: str, n: int) -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all")
+        await producer.start()
+        try:
+            for i in range(n):
+                headers = [("idempotency-key", f"{run_id}-{prefix}-{i}".encode())]
+                await producer.send_and_wait(topic, b"{}", headers=headers)
+        finally:
+            await producer.stop()
+
+    async def consume(prefix: str, n: int) -> None:
+        runner = KafkaRunner(
+            handler,
+            topics=[topic],
+            group_id=run_id,
+            offsets_in_postgres=True,
+            outbox_relay=None,
+            consumer_options=FAST,
+        )
+        stop = asyncio.Event()
+        task = asyncio.create_task(runner.run(stop))
+        try:
+
+            async def all_ran() -> bool:
+                return sum(k.startswith(f"{run_id}-{prefix}-") for k in ran) >= n
+
+            await wait_until(all_ran, 45, f"the {n} {prefix} records to run")
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 60)
+
+    await produce("old", 10)
+    await consume("old", 10)
+    assert await stored_offsets(store, run_id, topic, 1) == {0: 10}
+
+    await recreate_topic(kafka_admin, topic)
+    await produce("new", 12)
+    await consume("new", 12)
+    assert sorted(k for k in ran if "-new-" in k) == sorted(f"{run_id}-new-{i}" for i in range(12))
+    assert store.metrics.count("stored_offset_discarded", f"scope-{run_id}") == 1
+    assert await stored_offsets(store, run_id, topic, 1) == {0: 12}

@@ -68,7 +68,8 @@ from consumer_idem.notice import KEY_HEADER, SCOPE_HEADER, Notice
 from consumer_idem.outbox import HeldBack, OutboxService, OutgoingMessage
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.transports import settle
-from consumer_idem.transports.kafka_offsets import OffsetHook, PostgresOffsets
+from consumer_idem.transports.kafka_offset_check import trusted_positions
+from consumer_idem.transports.kafka_offsets import OffsetHook, PostgresOffsets, record_mark
 from consumer_idem.transports.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats, Settled
 
 log = logging.getLogger("consumer_idem.transports.kafka")
@@ -157,6 +158,7 @@ class _Partition:
     revoked: bool = False
     paused: bool = False
     done: int | None = None  #: next offset to commit: last settled offset + 1
+    done_mark: str | None = None  #: the mark of the record before ``done`` (record_mark)
     committed: int | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     failures: int = 0  #: consecutive worker failures (restart backoff)
@@ -323,6 +325,8 @@ class KafkaRunner:
                 raise TypeError("offsets_in_postgres needs an @idempotent_consumer")
             self.offsets = PostgresOffsets(consumer.store, group_id)
             self._hook = OffsetHook(self.offsets, self._stored)
+        #: how the offset check connects its consumer of no group (kafka_offset_check)
+        self._probe_options = {"bootstrap_servers": self.bootstrap, **(consumer_options or {})}
         self._parts: dict[TopicPartition, _Partition] = {}
         self._generation = 0  #: rebalances seen (revocations and assignments)
         self._stopping = False
@@ -552,6 +556,8 @@ class KafkaRunner:
         assert part.pending and part.pending[0] is record, "settled out of order"
         part.pending.popleft()
         part.done = record.offset + 1
+        if self.offsets is not None:
+            part.done_mark = record_mark(record)
         part.failures = 0
 
     async def retry_later(self, delivery: _Delivery, verdict: Verdict) -> None:
@@ -641,7 +647,7 @@ class KafkaRunner:
             return
         offset: int | None = part.done
         if self.offsets is not None:  # Postgres first; Kafka's copy is advisory (lag)
-            offset = await self._save_offset(part, part.done)
+            offset = await self._save_offset(part, part.done, part.done_mark)
         if offset is None:
             return
         async with part.commit_lock:
@@ -681,16 +687,17 @@ class KafkaRunner:
             if part.done == done or part.revoked or self._stopping:
                 return
 
-    async def _save_offset(self, part: _Partition, done: int) -> int | None:
-        """Store ``done`` as the partition's next offset in Postgres, unless a transaction
-        already did; returns what Postgres holds now (None: nothing yet)."""
+    async def _save_offset(self, part: _Partition, done: int, mark: str | None) -> int | None:
+        """Store ``done`` (and ``mark``, the record before it) as the partition's next offset in
+        Postgres, unless a transaction already did; returns what Postgres holds now (None:
+        nothing yet)."""
         assert self.offsets is not None
         tp = (part.tp.topic, part.tp.partition)
         stored = self._stored.get(tp)
         if stored is not None and stored >= done:
             return stored
         try:
-            await self.offsets.save({tp: done})
+            await self.offsets.save({tp: (done, mark)})
         except ConsumerIdemError as exc:  # the next commit tries again; keys cover a crash
             log.warning("storing the offset of %s@%d failed: %s", part.tp, done, exc)
             return stored
@@ -698,9 +705,10 @@ class KafkaRunner:
         return done
 
     async def _assigned(self, assigned: set[TopicPartition]) -> None:
-        """With offsets in Postgres: start each assigned partition at its stored offset (one
-        the group never stored starts where Kafka says: its committed offset, or the reset
-        policy). While the store does not answer, it is asked again for ``revoke_timeout``;
+        """With offsets in Postgres: start each assigned partition at its stored offset, if it
+        belongs to the partition's log (``kafka_offset_check``); one the group never stored, or
+        that belongs to another log, starts where Kafka says: its committed offset, or the reset
+        policy. While the store does not answer, it is asked again for ``revoke_timeout``;
         after that the partitions start at Kafka's committed offsets, which are never ahead of
         Postgres's, so the records between are met again and replayed by their keys."""
         self._generation += 1
@@ -736,10 +744,44 @@ class KafkaRunner:
                     )
                     return
                 await asyncio.sleep(RESTART_BACKOFF.delay(attempt))
-        for key, offset in stored.items():
-            self._stored[key] = offset
+        if not stored:
+            return
+        try:
+            positions, refused = await trusted_positions(self._kafka, stored, self._probe_options)
+        except Exception as exc:  # the log's bounds unreadable: Kafka's offsets are never ahead
+            log.error(
+                "could not check the stored offsets of %s against their logs (%r): starting at "
+                "Kafka's committed offsets; records after them are replayed by their keys",
+                sorted(str(by_key[k]) for k in stored),
+                exc,
+            )
+            return
+        for key, offset in positions.items():
+            self._stored[key] = stored[key][0]
             self._kafka.seek(by_key[key], offset)
-        log.info("started at the offsets stored in Postgres: %s", sorted(stored.items()))
+        for key, why in refused.items():
+            await self._discard_stored(key, stored[key], why)
+        log.info("started at the offsets stored in Postgres: %s", sorted(positions.items()))
+
+    async def _discard_stored(
+        self, key: tuple[str, int], stored: tuple[int, str | None], why: str
+    ) -> None:
+        """A stored offset of another log (the topic created again, another cluster): the
+        partition starts at Kafka's committed offset, and the row goes (the new log's lower
+        numbers must be stored)."""
+        assert self.offsets is not None and isinstance(self.consumer, IdempotentConsumer)
+        log.warning(
+            "the offset stored in Postgres for %s[%d] is not used: %s (the topic was created "
+            "again, or this is another cluster); starting at Kafka's committed offset",
+            key[0],
+            key[1],
+            why,
+        )
+        self.consumer.metrics.inc("stored_offset_discarded", self.consumer.scope)
+        try:
+            await self.offsets.forget(key, stored)
+        except ConsumerIdemError as exc:  # checked again at the next assignment
+            log.warning("could not drop the stored offset of %s[%d]: %s", key[0], key[1], exc)
 
     async def _drain(self, parts: list[_Partition]) -> None:
         tasks = [p.task for p in parts if p.task is not None and not p.task.done()]
