@@ -9,9 +9,12 @@
   then it is handed back as a confirmed copy at the tail of its queue (and the original acked),
   which carries its delivery count along. Neither spends the delivery budget.
 * A handler failure worth retrying is held for ``retry_after`` seconds and then
-  ``nack(requeue=True)``-ed: the prefetch slot, not the whole queue, waits. On quorum queues this
-  counts in ``x-delivery-count``; a message delivered ``max_deliveries`` times (it keeps failing
-  or killing the consumer) is dead-lettered without running.
+  ``nack(requeue=True)``-ed: the prefetch slot, not the whole queue, waits. The delivery budget
+  (``max_deliveries``) counts the attempts that ran the key's handler, in Postgres; the broker's
+  ``x-delivery-count`` only says which deliveries to count, and they run one at a time
+  (``delivery_budget``). At the budget the key's record is read: a completed key is acked,
+  never dead-lettered. The consumed queue's ``x-delivery-limit`` is declared or checked so
+  that the broker never decides first (``rabbit_limits``).
 * Any unexpected exception while handling a delivery is logged with its traceback, counted in
   ``stats.failures``, and the delivery is ``nack(requeue=True)``-ed after a short backoff: no
   delivery is ever left unsettled in hand.
@@ -23,9 +26,8 @@
   (:meth:`IdempotentConsumer.process_batch`, which falls back to one transaction per message
   when a member fails). Acks follow the commit, as one ``basic.ack(multiple=True)`` per
   contiguous run of delivery tags (:class:`AckWindow`). A delivery the broker has delivered
-  before (``x-delivery-count``, or ``redelivered``) runs on its own, never in a shared batch:
-  if it is what killed the last consumer, it must not take its batch-mates' delivery budget
-  with it, again and again, until ``max_deliveries`` dead-letters them unrun.
+  before (``x-delivery-count``, or ``redelivered``) runs on its own, never in a shared batch,
+  counted as above: a poison's crashes do not spend its batch-mates' budgets.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from consumer_idem.consumer import (
     DEAD_LETTER_REASON,
     DEAD_LETTER_SCOPE,
     Action,
+    IdempotentConsumer,
     Processor,
     Verdict,
     reconcile_notice,
@@ -65,6 +68,8 @@ from consumer_idem.notice import ORIGINAL_QUEUE as ORIGINAL_QUEUE
 from consumer_idem.outbox import OutboxService, OutgoingMessage, send_all
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.transports import settle
+from consumer_idem.transports.delivery_budget import DeliveryBudget
+from consumer_idem.transports.rabbit_limits import check_arguments, declare_consumed
 from consumer_idem.transports.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats, Settled
 
 log = logging.getLogger("consumer_idem.transports.rabbit")
@@ -423,6 +428,13 @@ class RabbitRunner:
         self.declare = declare
         self.queue_arguments = QUORUM if queue_arguments is None else queue_arguments
         self.max_deliveries = max_deliveries
+        check_arguments(self.queue_arguments, max_deliveries, queue)
+        #: counted in Postgres for a consumer with keys; the broker's count otherwise
+        self._budget = (
+            DeliveryBudget(consumer, max_deliveries)
+            if isinstance(consumer, IdempotentConsumer)
+            else None
+        )
         self.drain_timeout = drain_timeout
         #: how long a waiting delivery stays in hand before it is handed back as a copy (keep it
         #: under RabbitMQ's ``consumer_timeout``, 30 minutes by default)
@@ -477,8 +489,12 @@ class RabbitRunner:
         if self.declare:
             for name in (self.dead_letter_queue, self.reconcile_queue):
                 await channel.declare_queue(name, durable=True, arguments=self.queue_arguments)
-            self._queue = await channel.declare_queue(
-                self.queue_name, durable=True, arguments=self.queue_arguments
+            self._queue = await declare_consumed(
+                self._connection,
+                channel,
+                self.queue_name,
+                self.queue_arguments,
+                self.max_deliveries,
             )
         else:
             self._queue = await channel.declare_queue(self.queue_name, passive=True)
@@ -710,19 +726,26 @@ class RabbitRunner:
             await self._hand_back(message)
 
     async def _decide(self, message: AbstractIncomingMessage) -> Verdict:
-        if self._over_budget(spent_deliveries(to_message(message))):
+        spent = spent_deliveries(to_message(message))
+        if self._over_budget(spent):
             return Verdict(Action.DEAD_LETTER, self.consumer.scope, reason="max_deliveries")
         # a fresh view per attempt: a handler that changed the parsed body in place must not
         # hand its changes to the next attempt
+        process = lambda: self.consumer.process(to_message(message))  # noqa: E731
+        if self._budget is not None and (spent or message.redelivered):
+            process = self._budget.suspect(lambda: to_message(message))
         return await settle.process_holding(
-            lambda: self.consumer.process(to_message(message)),
+            process,
             stats=self.stats,
             stopping=self._stopping.is_set,
             max_hold=self.max_hold,
         )
 
     def _over_budget(self, spent: int | None) -> bool:
-        """Delivered ``max_deliveries`` times: dead-lettered without running again."""
+        """Delivered ``max_deliveries`` times by the broker's count, for a processor with no
+        budget in Postgres (the reconciler): dead-lettered without running again."""
+        if self._budget is not None:
+            return False
         limit = self.max_deliveries
         return limit is not None and spent is not None and spent >= limit
 

@@ -1,0 +1,93 @@
+"""Delivery budgets that count the attempts of a key's own work (``max_deliveries``).
+
+A broker's redelivery counter (``x-delivery-count``, ``redelivered``) counts every return of
+a message. A consumer killed by one poison message returns every unacked delivery of its
+channel, and the broker counts them all: its window-mates would be dead-lettered for the
+poison's crashes without ever having run. An effect that committed but whose ack kept being
+lost would be dead-lettered too, and a later replay of the dead letter would run it again.
+So the broker's counter is only a hint here:
+
+* A delivery the broker has not delivered before runs as usual, uncounted: its first run.
+* A delivery it has delivered before (it may be what killed the last consumer) is a suspect.
+  Suspects run one at a time, and each counts one attempt of its key in Postgres
+  (:class:`~consumer_idem.stores.postgres.attempts.DeliveryAttempts`), committed on its own
+  right before the claim and the handler: a crash in the handler is counted against the key
+  that was running alone, never against the deliveries waiting their turn.
+* At ``max_deliveries`` counted attempts the key's record is read first. A key that completed,
+  is in flight elsewhere or is parked ``unknown`` goes through the claim engine, which replays
+  it, waits, or leaves it to reconciliation, and never runs the handler; only a key with no
+  record (or one proven not executed, or expired) is dead-lettered, reason
+  ``max_deliveries``.
+* A store outage while counting or reading is a wait (the delivery is held and tried again):
+  it never spends the budget and never dead-letters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from consumer_idem.backoff import Backoff
+from consumer_idem.consumer import Action, IdempotentConsumer, Verdict
+from consumer_idem.errors import StoreUnavailable
+from consumer_idem.message import ConsumerMessage
+from consumer_idem.stores.postgres.attempts import DeliveryAttempts
+
+#: record states whose key the claim engine settles without running the handler
+SETTLED_ELSEWHERE = frozenset({"completed", "in_progress", "unknown"})
+
+
+class DeliveryBudget:
+    """``max_deliveries`` (None: no limit) attempts of each key of ``consumer``."""
+
+    def __init__(self, consumer: IdempotentConsumer, max_deliveries: int | None) -> None:
+        self.consumer = consumer
+        self.limit = max_deliveries
+        self.attempts = DeliveryAttempts(consumer.store)
+        self._outage = Backoff(consumer.backoff_base, consumer.backoff_max)
+        self._outages = 0
+        #: suspects run one at a time: a crash is then the running one's
+        self._alone = asyncio.Lock()
+
+    def suspect(self, view: Callable[[], ConsumerMessage]) -> Callable[[], Awaitable[Verdict]]:
+        """One redelivered delivery's processing, for
+        :func:`~consumer_idem.transports.settle.process_holding` (``view`` gives a fresh view of
+        it per try: a handler that changed a parsed body must not hand its change on). However
+        often it is tried again while held in hand, the delivery counts one attempt."""
+        counted: list[int] = []
+
+        async def attempt() -> Verdict:
+            consumer = self.consumer
+            message = view()
+            prepared = consumer.prepare(message)
+            if isinstance(prepared, Verdict):
+                return prepared  # no key: dead-lettered with its reason, as when fresh
+            key, fingerprint = prepared
+            async with self._alone:
+                try:
+                    if not counted:
+                        counted.append(await self.attempts.count(consumer.scope, key))
+                    spent = self.limit is not None and counted[0] >= self.limit
+                    if spent and not await self._settled_elsewhere(key):
+                        return Verdict(
+                            Action.DEAD_LETTER, consumer.scope, key, reason="max_deliveries"
+                        )
+                except StoreUnavailable:
+                    self._outages += 1
+                    return Verdict(
+                        Action.RETRY,
+                        consumer.scope,
+                        key,
+                        reason="store_unavailable",
+                        retry_after=self._outage.delay(self._outages),
+                    )
+                self._outages = 0
+                return await consumer.execute(message, key, fingerprint)
+
+        return attempt
+
+    async def _settled_elsewhere(self, key: str) -> bool:
+        """Whether ``key``'s record says its work is done, running or parked (the claim engine
+        then replays, waits or leaves it to reconciliation, and never runs the handler)."""
+        record = await self.consumer.store.get(self.consumer.scope, key)
+        return record is not None and record.status in SETTLED_ELSEWHERE
