@@ -27,6 +27,7 @@ from consumer_idem import (
     idempotent_consumer,
 )
 from consumer_idem.cli.settings import Settings
+from consumer_idem.stores.postgres.attempts import DeliveryAttempts
 from consumer_idem.transports.rabbit import RabbitRunner
 from consumer_idem.transports.rabbit_limits import DELIVERY_LIMIT, declared_arguments
 from handlers.payments import LEDGER_SCOPE, ensure_tables
@@ -218,6 +219,8 @@ async def test_a_completed_key_at_its_budget_is_acked_never_dead_lettered(
     )
     for _ in range(3):  # returned again and again: the broker counts 3
         await take_and_die(settings, queues, 1)
+    # and its own runs before (replays whose acks were lost too) spent its budget
+    await DeliveryAttempts(store).count(scope, "paid")
 
     runner = RabbitRunner(handler, queue=queues, max_deliveries=1)
     stop = asyncio.Event()
@@ -357,3 +360,54 @@ def test_rabbitmq_4_quorum_queues_are_declared_without_a_delivery_limit() -> Non
     assert declared_arguments(QUORUM, 3) == QUORUM
     assert declared_arguments({**QUORUM, DELIVERY_LIMIT: 30}, 4) == {**QUORUM, DELIVERY_LIMIT: 30}
     assert declared_arguments({"x-queue-type": "classic"}, 4) == {"x-queue-type": "classic"}
+
+
+async def test_a_store_outage_at_the_budget_holds_the_delivery_and_dead_letters_nothing(
+    settings: Settings,
+    pg_dsn: str,
+    store: PostgresStore,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+    queues: str,
+    scope: str,
+) -> None:
+    """A delivery the broker has counted past ``max_deliveries`` meets a store it cannot reach:
+    its attempts cannot be counted nor its record read, so it waits in hand; once the store is
+    back it runs (it never ran before)."""
+    from tests._broker import Outage
+
+    calls = 0
+    outage = await Outage.start(store, pg_dsn)
+
+    @idempotent_consumer(outage.down, scope=scope, key=header("idempotency-key"))
+    async def handler(message: ConsumerMessage, conn: asyncpg.Connection) -> None:
+        nonlocal calls
+        calls += 1
+
+    channel = await amqp_connection.channel(publisher_confirms=True)
+    await channel.declare_queue(queues, durable=True, arguments=QUORUM)
+    await channel.default_exchange.publish(
+        aio_pika.Message(b"{}", headers={"idempotency-key": "held"}), routing_key=queues
+    )
+    for _ in range(2):
+        await take_and_die(settings, queues, 1)
+    runner = RabbitRunner(handler, queue=queues, max_deliveries=1)
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    try:
+
+        async def waited() -> bool:
+            return runner.stats.retries >= 3
+
+        await wait_until(waited, 30, "the delivery to wait for the store")
+        assert runner.stats.dead_lettered == 0 and calls == 0
+        outage.end()
+
+        async def ran() -> bool:
+            return runner.stats.processed >= 1
+
+        await wait_until(ran, 30, "the delivery to run once the store is back")
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+    assert calls == 1 and runner.stats.dead_lettered == 0
+    assert await drain(channel, f"{queues}.dlq") == []

@@ -7,13 +7,15 @@ poison's crashes without ever having run. An effect that committed but whose ack
 lost would be dead-lettered too, and a later replay of the dead letter would run it again.
 So the broker's counter is only a hint here:
 
-* A delivery the broker has not delivered before runs as usual, uncounted: its first run.
+* A delivery the broker has not delivered before runs as usual, without a write of its own;
+  if its handler fails, that attempt is counted then.
 * A delivery it has delivered before (it may be what killed the last consumer) is a suspect.
   Suspects run one at a time, and each counts one attempt of its key in Postgres
   (:class:`~consumer_idem.stores.postgres.attempts.DeliveryAttempts`), committed on its own
   right before the claim and the handler: a crash in the handler is counted against the key
-  that was running alone, never against the deliveries waiting their turn.
-* At ``max_deliveries`` counted attempts the key's record is read first. A key that completed,
+  that was running alone, never against the deliveries waiting their turn. (A first delivery
+  that kills the process is not counted: a poison runs at most ``max_deliveries + 1`` times.)
+* With ``max_deliveries`` attempts counted, the key's record is read first. A key that completed,
   is in flight elsewhere or is parked ``unknown`` goes through the claim engine, which replays
   it, waits, or leaves it to reconciliation, and never runs the handler; only a key with no
   record (or one proven not executed, or expired) is dead-lettered, reason
@@ -25,11 +27,12 @@ So the broker's counter is only a hint here:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 
 from consumer_idem.backoff import Backoff
 from consumer_idem.consumer import Action, IdempotentConsumer, Verdict
-from consumer_idem.errors import StoreUnavailable
+from consumer_idem.errors import ConsumerIdemError, StoreUnavailable
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.stores.postgres.attempts import DeliveryAttempts
 
@@ -65,13 +68,13 @@ class DeliveryBudget:
             key, fingerprint = prepared
             async with self._alone:
                 try:
-                    if not counted:
-                        counted.append(await self.attempts.count(consumer.scope, key))
-                    spent = self.limit is not None and counted[0] >= self.limit
-                    if spent and not await self._settled_elsewhere(key):
-                        return Verdict(
-                            Action.DEAD_LETTER, consumer.scope, key, reason="max_deliveries"
-                        )
+                    if not counted:  # once per delivery, however often it is tried again
+                        n = await self.attempts.count(consumer.scope, key, self.limit)
+                        if n is None and not await self._settled_elsewhere(key):
+                            return Verdict(
+                                Action.DEAD_LETTER, consumer.scope, key, reason="max_deliveries"
+                            )
+                        counted.append(n or 0)
                 except StoreUnavailable:
                     self._outages += 1
                     return Verdict(
@@ -85,6 +88,15 @@ class DeliveryBudget:
                 return await consumer.execute(message, key, fingerprint)
 
         return attempt
+
+    async def failed(self, verdict: Verdict) -> None:
+        """A first delivery's handler failed (``verdict``: its retry): one attempt of its key,
+        counted now that it is known to have run (a first delivery is not counted ahead: that
+        would cost a write per message). Uncounted when the store does not answer: the next
+        delivery counts itself."""
+        if verdict.key is not None:
+            with contextlib.suppress(ConsumerIdemError):
+                await self.attempts.count(verdict.scope, verdict.key)
 
     async def _settled_elsewhere(self, key: str) -> bool:
         """Whether ``key``'s record says its work is done, running or parked (the claim engine

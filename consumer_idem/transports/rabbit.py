@@ -105,6 +105,11 @@ def spent_deliveries(message: ConsumerMessage) -> int | None:
     return (message.delivery_count or 0) + extra
 
 
+def _suspect(message: AbstractIncomingMessage) -> bool:
+    """Delivered before (maybe what killed the last consumer): it runs alone, and counts."""
+    return bool(message.redelivered or spent_deliveries(to_message(message)))
+
+
 def _lost(exc: BaseException) -> bool:
     """A lost channel or connection: routine (a broker restart), logged without a traceback."""
     return isinstance(
@@ -591,7 +596,7 @@ class RabbitRunner:
                 await settle.settle(self, message, verdict)
                 del unsettled[message]
                 continue
-            if spent or message.redelivered:
+            if _suspect(message):
                 # delivered before and never settled: maybe what killed the last consumer
                 del unsettled[message]
                 self._spawn(self._handle(message))
@@ -726,13 +731,12 @@ class RabbitRunner:
             await self._hand_back(message)
 
     async def _decide(self, message: AbstractIncomingMessage) -> Verdict:
-        spent = spent_deliveries(to_message(message))
-        if self._over_budget(spent):
+        if self._over_budget(spent_deliveries(to_message(message))):
             return Verdict(Action.DEAD_LETTER, self.consumer.scope, reason="max_deliveries")
         # a fresh view per attempt: a handler that changed the parsed body in place must not
         # hand its changes to the next attempt
         process = lambda: self.consumer.process(to_message(message))  # noqa: E731
-        if self._budget is not None and (spent or message.redelivered):
+        if self._budget is not None and _suspect(message):
             process = self._budget.suspect(lambda: to_message(message))
         return await settle.process_holding(
             process,
@@ -780,6 +784,8 @@ class RabbitRunner:
             self._flusher = self._spawn(self._flush_acks())
 
     async def retry_later(self, message: AbstractIncomingMessage, verdict: Verdict) -> None:
+        if self._budget is not None and not settle.is_wait(verdict) and not _suspect(message):
+            await self._budget.failed(verdict)  # (a suspect counted itself ahead)
         if settle.is_wait(verdict) and not self.stopping():
             # held for max_hold already: hand it back without spending the delivery budget
             copy = handed_back_copy(message, spent_deliveries(to_message(message)))

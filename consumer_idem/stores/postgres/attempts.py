@@ -19,18 +19,20 @@ class DeliveryAttempts:
         self.store = store
         self.table = f'"{store.schema}".delivery_attempts'
 
-    async def count(self, scope: str, key: str) -> int:
-        """Count one more attempt of ``key``; returns the attempts counted, this one included.
+    async def count(self, scope: str, key: str, limit: int | None = None) -> int | None:
+        """Count one more attempt of ``key``, unless ``limit`` attempts are counted already;
+        returns the attempts counted, this one included, or None when none was (at the limit).
         Raises the store's error (:class:`~consumer_idem.errors.StoreUnavailable`...)."""
         sql = (
             f"INSERT INTO {self.table} AS a (scope, key, attempts) VALUES ($1, $2, 1)"
             " ON CONFLICT (scope, key) DO UPDATE SET attempts = a.attempts + 1,"
-            " updated_at = now() RETURNING attempts"
+            " updated_at = now() WHERE $3::integer IS NULL OR a.attempts < $3::integer"
+            " RETURNING attempts"
         )
         counted = await self.store.run(
             "count_attempt",
             scope,
             None,
-            lambda c: c.fetchval(sql, scope, key, timeout=self.store.command_timeout),
+            lambda c: c.fetchval(sql, scope, key, limit, timeout=self.store.command_timeout),
         )
-        return int(counted)
+        return None if counted is None else int(counted)
