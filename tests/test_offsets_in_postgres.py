@@ -17,7 +17,7 @@ import asyncpg
 import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import NewTopic
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from aiokafka.errors import KafkaError, NotEnoughReplicasError, TopicAlreadyExistsError
 
 from consumer_idem import (
     ConsumerMessage,
@@ -402,3 +402,74 @@ async def test_a_topic_created_again_runs_every_record_of_its_new_log(
     assert sorted(k for k in ran if "-new-" in k) == sorted(f"{run_id}-new-{i}" for i in range(12))
     assert store.metrics.count("stored_offset_discarded", f"scope-{run_id}") == 1
     assert await stored_offsets(store, run_id, topic, 1) == {0: 12}
+
+
+async def test_a_repeated_key_with_another_payload_in_a_batch_holds_the_stored_offset(
+    settings: Settings,
+    store: PostgresStore,
+    pg_pool: asyncpg.Pool,
+    demo_tables: None,
+    kafka_topic_factory: Any,
+    run_id: str,
+) -> None:
+    """Batch mode, offsets in Postgres: a key met again in the batch with another payload is
+    misuse, to dead-letter; the batch's COMMIT stores the offset only up to the record before
+    it, so while its dead letter cannot be written yet the stored offset stays there, and a
+    crash then would meet it again instead of skipping it."""
+    topic = await kafka_topic_factory("offsets-misuse")
+    dlq = f"{topic}.dlq"
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all")
+    await producer.start()
+    try:
+        items = [
+            ("k1", payment(run_id, 1)),
+            ("k1", payment(run_id, 1, amount=999)),  # the same key, another payload
+            ("k2", payment(run_id, 2)),
+        ]
+        for key, body in items:
+            await producer.send_and_wait(
+                topic, body, headers=[("idempotency-key", f"{run_id}-{key}".encode())]
+            )
+    finally:
+        await producer.stop()
+    runner = KafkaRunner(
+        ledger(store, f"scope-{run_id}", batch=True),
+        topics=[topic],
+        group_id=run_id,
+        offsets_in_postgres=True,
+        outbox_relay=None,
+        consumer_options=FAST,
+    )
+    refusing = True
+    real_send = runner._producer.send
+
+    async def send(topic_name: str, *args: Any, **kwargs: Any) -> Any:
+        if topic_name == dlq and refusing:
+            failed = asyncio.get_running_loop().create_future()
+            failed.set_exception(NotEnoughReplicasError("injected: too few in-sync replicas"))
+            return failed
+        return await real_send(topic_name, *args, **kwargs)
+
+    runner._producer.send = send  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    try:
+
+        async def first_stored() -> bool:
+            return await stored_offsets(store, run_id, topic, 1) == {0: 1}
+
+        await wait_until(first_stored, 30, "the batch to commit")
+        await asyncio.sleep(2)  # the dead letter is refused again and again
+        assert await stored_offsets(store, run_id, topic, 1) == {0: 1}
+        assert runner.stats.dead_lettered == 0
+        refusing = False
+
+        async def all_settled() -> bool:
+            return await stored_offsets(store, run_id, topic, 1) == {0: 3}
+
+        await wait_until(all_settled, 30, "the dead letter to go out and the offset to move")
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+    assert runner.stats.dead_lettered == 1
+    assert await ledger_count(pg_pool, run_id) == 2
