@@ -68,7 +68,7 @@ from consumer_idem.notice import KEY_HEADER, SCOPE_HEADER, Notice
 from consumer_idem.outbox import HeldBack, OutboxService, OutgoingMessage
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.transports import settle
-from consumer_idem.transports.kafka_offset_check import trusted_positions
+from consumer_idem.transports.kafka_offset_check import start_positions
 from consumer_idem.transports.kafka_offsets import OffsetHook, PostgresOffsets, record_mark
 from consumer_idem.transports.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats, Settled
 
@@ -325,7 +325,6 @@ class KafkaRunner:
                 raise TypeError("offsets_in_postgres needs an @idempotent_consumer")
             self.offsets = PostgresOffsets(consumer.store, group_id)
             self._hook = OffsetHook(self.offsets, self._stored)
-        #: how the offset check connects its consumer of no group (kafka_offset_check)
         self._probe_options = {"bootstrap_servers": self.bootstrap, **(consumer_options or {})}
         self._parts: dict[TopicPartition, _Partition] = {}
         self._generation = 0  #: rebalances seen (revocations and assignments)
@@ -744,44 +743,14 @@ class KafkaRunner:
                     )
                     return
                 await asyncio.sleep(RESTART_BACKOFF.delay(attempt))
-        if not stored:
-            return
-        try:
-            positions, refused = await trusted_positions(self._kafka, stored, self._probe_options)
-        except Exception as exc:  # the log's bounds unreadable: Kafka's offsets are never ahead
-            log.error(
-                "could not check the stored offsets of %s against their logs (%r): starting at "
-                "Kafka's committed offsets; records after them are replayed by their keys",
-                sorted(str(by_key[k]) for k in stored),
-                exc,
-            )
-            return
+        assert isinstance(self.consumer, IdempotentConsumer)
+        positions = await start_positions(
+            self._kafka, self.offsets, stored, self._probe_options, self.consumer.scope
+        )
         for key, offset in positions.items():
             self._stored[key] = stored[key][0]
             self._kafka.seek(by_key[key], offset)
-        for key, why in refused.items():
-            await self._discard_stored(key, stored[key], why)
         log.info("started at the offsets stored in Postgres: %s", sorted(positions.items()))
-
-    async def _discard_stored(
-        self, key: tuple[str, int], stored: tuple[int, str | None], why: str
-    ) -> None:
-        """A stored offset of another log (the topic created again, another cluster): the
-        partition starts at Kafka's committed offset, and the row goes (the new log's lower
-        numbers must be stored)."""
-        assert self.offsets is not None and isinstance(self.consumer, IdempotentConsumer)
-        log.warning(
-            "the offset stored in Postgres for %s[%d] is not used: %s (the topic was created "
-            "again, or this is another cluster); starting at Kafka's committed offset",
-            key[0],
-            key[1],
-            why,
-        )
-        self.consumer.metrics.inc("stored_offset_discarded", self.consumer.scope)
-        try:
-            await self.offsets.forget(key, stored)
-        except ConsumerIdemError as exc:  # checked again at the next assignment
-            log.warning("could not drop the stored offset of %s[%d]: %s", key[0], key[1], exc)
 
     async def _drain(self, parts: list[_Partition]) -> None:
         tasks = [p.task for p in parts if p.task is not None and not p.task.done()]

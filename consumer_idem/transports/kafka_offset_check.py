@@ -29,12 +29,57 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from consumer_idem.transports.kafka_offsets import Partition, Stored, record_mark
+from consumer_idem.errors import ConsumerIdemError
+from consumer_idem.transports.kafka_offsets import (
+    Partition,
+    PostgresOffsets,
+    Stored,
+    record_mark,
+)
 
 log = logging.getLogger("consumer_idem.transports.kafka")
 
 #: how long the check waits for the records it reads
 READ_TIMEOUT = 10.0
+
+
+async def start_positions(
+    kafka: AIOKafkaConsumer,
+    offsets: PostgresOffsets,
+    stored: Mapping[Partition, Stored],
+    probe_options: dict[str, Any],
+    scope: str,
+) -> dict[Partition, int]:
+    """Where to start the partitions whose offsets ``stored`` holds (the others start where
+    Kafka says). A stored offset of another log is logged, counted
+    (``stored_offset_discarded``) and its row dropped: the new log's lower numbers must be
+    stored from now on. When the logs cannot be asked, none is used."""
+    if not stored:
+        return {}
+    try:
+        positions, refused = await trusted_positions(kafka, stored, probe_options)
+    except Exception as exc:  # Kafka's committed offsets are never ahead of ours: replays
+        log.error(
+            "could not check the stored offsets of %s against their logs (%r): starting at "
+            "Kafka's committed offsets; records after them are replayed by their keys",
+            sorted(stored),
+            exc,
+        )
+        return {}
+    for (topic, partition), why in refused.items():
+        log.warning(
+            "the offset stored in Postgres for %s[%d] is not used: %s (the topic was created "
+            "again, or this is another cluster); starting at Kafka's committed offset",
+            topic,
+            partition,
+            why,
+        )
+        offsets.store.metrics.inc("stored_offset_discarded", scope)
+        try:
+            await offsets.forget((topic, partition), stored[(topic, partition)])
+        except ConsumerIdemError as exc:  # checked again at the next assignment
+            log.warning("could not drop the stored offset of %s[%d]: %s", topic, partition, exc)
+    return positions
 
 
 async def trusted_positions(
