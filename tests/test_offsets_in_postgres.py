@@ -17,7 +17,7 @@ import asyncpg
 import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import NewTopic
-from aiokafka.errors import KafkaError, NotEnoughReplicasError, TopicAlreadyExistsError
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
 from consumer_idem import (
     ConsumerMessage,
@@ -34,6 +34,7 @@ from handlers.payments import ensure_tables, record_payment, record_payments
 from tests._payments import assert_exactly_once, ledger_count, payment, send_raw, wait_until
 from tests.conftest import ROOT_DIR
 from tests.test_consumer_kafka import FAST, committed
+from tests.test_transport_kafka import RefusedDeadLetters
 
 STEPS = ("fetched", "handler", "commit", "committed", "kafka")
 
@@ -440,17 +441,7 @@ async def test_a_repeated_key_with_another_payload_in_a_batch_holds_the_stored_o
         outbox_relay=None,
         consumer_options=FAST,
     )
-    refusing = True
-    real_send = runner._producer.send
-
-    async def send(topic_name: str, *args: Any, **kwargs: Any) -> Any:
-        if topic_name == dlq and refusing:
-            failed = asyncio.get_running_loop().create_future()
-            failed.set_exception(NotEnoughReplicasError("injected: too few in-sync replicas"))
-            return failed
-        return await real_send(topic_name, *args, **kwargs)
-
-    runner._producer.send = send  # type: ignore[method-assign]
+    refused = RefusedDeadLetters(runner, dlq)
     stop = asyncio.Event()
     task = asyncio.create_task(runner.run(stop))
     try:
@@ -462,7 +453,7 @@ async def test_a_repeated_key_with_another_payload_in_a_batch_holds_the_stored_o
         await asyncio.sleep(2)  # the dead letter is refused again and again
         assert await stored_offsets(store, run_id, topic, 1) == {0: 1}
         assert runner.stats.dead_lettered == 0
-        refusing = False
+        refused.end()
 
         async def all_settled() -> bool:
             return await stored_offsets(store, run_id, topic, 1) == {0: 3}

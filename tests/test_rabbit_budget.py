@@ -33,7 +33,7 @@ from consumer_idem.transports.rabbit_limits import DELIVERY_LIMIT, declared_argu
 from handlers.payments import LEDGER_SCOPE, ensure_tables
 from tests._payments import ledger_count, payment, wait_until
 from tests.conftest import ROOT_DIR
-from tests.test_rabbit_batch import drain, ready_count, take_and_die
+from tests.test_rabbit_batch import Booked, drain, ready_count, run_until, take_and_die
 
 QUORUM = {"x-queue-type": "quorum"}
 
@@ -167,8 +167,6 @@ async def test_deliveries_returned_by_consumers_that_never_ran_them_still_run_al
     """Consumers that die holding deliveries (before running them) spend no budget: the
     broker counts those returns, the runner does not. With ``max_deliveries=2`` and two such
     deaths, every message runs, once; the returned ones one at a time, each counted once."""
-    from tests.test_rabbit_batch import Booked, run_until
-
     channel = await amqp_connection.channel(publisher_confirms=True)
     await channel.declare_queue(queues, durable=True, arguments=QUORUM)
     for n in range(12):
@@ -223,17 +221,7 @@ async def test_a_completed_key_at_its_budget_is_acked_never_dead_lettered(
     await DeliveryAttempts(store).count(scope, "paid")
 
     runner = RabbitRunner(handler, queue=queues, max_deliveries=1)
-    stop = asyncio.Event()
-    task = asyncio.create_task(runner.run(stop))
-    try:
-
-        async def settled() -> bool:
-            return runner.stats.processed >= 1
-
-        await wait_until(settled, 30, "the delivery to be settled")
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 60)
+    await run_until(runner, 1, 30)
     assert calls == 1 and runner.stats.dead_lettered == 0 and runner.stats.duplicates == 1
     assert await drain(channel, f"{queues}.dlq") == []
     assert await ready_count(channel, queues) == 0
@@ -263,17 +251,7 @@ async def test_a_handler_that_keeps_failing_is_dead_lettered_after_its_own_runs(
         aio_pika.Message(b"{}", headers={"idempotency-key": "failing"}), routing_key=queues
     )
     runner = RabbitRunner(handler, queue=queues, max_deliveries=3)
-    stop = asyncio.Event()
-    task = asyncio.create_task(runner.run(stop))
-    try:
-
-        async def dead() -> bool:
-            return runner.stats.dead_lettered >= 1
-
-        await wait_until(dead, 30, "the delivery to be dead-lettered")
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 60)
+    await run_until(runner, 1, 30)
     assert calls == 3
     dead_letters = await drain(channel, f"{queues}.dlq")
     assert [m.headers["x-dead-letter-reason"] for m in dead_letters] == ["max_deliveries"]
@@ -327,17 +305,7 @@ async def test_an_existing_queue_whose_delivery_limit_covers_the_budget_is_consu
         aio_pika.Message(b"{}", headers={"idempotency-key": "one"}), routing_key=queues
     )
     runner = RabbitRunner(noop_consumer(store, scope), queue=queues, max_deliveries=20)
-    stop = asyncio.Event()
-    task = asyncio.create_task(runner.run(stop))
-    try:
-
-        async def settled() -> bool:
-            return runner.stats.processed >= 1
-
-        await wait_until(settled, 30, "the delivery to be settled")
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 60)
+    await run_until(runner, 1, 30)
 
 
 def test_declared_arguments_with_a_delivery_limit_below_the_budget_refuse_to_start(

@@ -61,6 +61,27 @@ class Running:
         await asyncio.wait_for(self.task, 60)
 
 
+class RefusedDeadLetters:
+    """The producer takes the runner's dead letters to ``dlq`` but the broker's acknowledgement
+    fails (what a leader change or too few in-sync replicas look like), until :meth:`end`."""
+
+    def __init__(self, runner: KafkaRunner, dlq: str) -> None:
+        self.refusing = True
+        real_send = runner._producer.send
+
+        async def send(topic_name: str, *args: Any, **kwargs: Any) -> Any:
+            if topic_name == dlq and self.refusing:
+                failed = asyncio.get_running_loop().create_future()
+                failed.set_exception(NotEnoughReplicasError("injected: too few in-sync replicas"))
+                return failed
+            return await real_send(topic_name, *args, **kwargs)
+
+        runner._producer.send = send  # type: ignore[method-assign]
+
+    def end(self) -> None:
+        self.refusing = False
+
+
 @pytest.fixture
 async def topics(kafka_admin: AIOKafkaAdminClient) -> Any:
     """Creates topics with configs (deleted after the test)."""
@@ -195,25 +216,13 @@ async def test_a_dead_letter_the_broker_does_not_acknowledge_yet_holds_the_commi
     runner = KafkaRunner(
         ledger(store, scope), topics=[topic], group_id=run_id, consumer_options=FAST
     )
-    # The producer takes the dead letter but the broker's acknowledgement fails (what a leader
-    # change or too few in-sync replicas look like), until ``refusing`` is cleared.
-    refusing = True
-    real_send = runner._producer.send
-
-    async def send(topic_name: str, *args: Any, **kwargs: Any) -> Any:
-        if topic_name == dlq and refusing:
-            failed = asyncio.get_running_loop().create_future()
-            failed.set_exception(NotEnoughReplicasError("injected: too few in-sync replicas"))
-            return failed
-        return await real_send(topic_name, *args, **kwargs)
-
-    runner._producer.send = send  # type: ignore[method-assign]
+    refused = RefusedDeadLetters(runner, dlq)
     running = Running(runner)
     try:
         await asyncio.sleep(4)  # several refused attempts
         assert runner.stats.dead_lettered == 0
         assert await committed(settings, run_id, topic) is None
-        refusing = False
+        refused.end()
 
         async def settled() -> bool:
             return runner.stats.processed >= 2
