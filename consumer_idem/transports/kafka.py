@@ -158,7 +158,8 @@ class _Partition:
     revoked: bool = False
     paused: bool = False
     done: int | None = None  #: next offset to commit: last settled offset + 1
-    done_mark: str | None = None  #: the mark of the record before ``done`` (record_mark)
+    #: the record before ``done`` (its mark is stored with the offset in Postgres)
+    done_record: ConsumerRecord[bytes, bytes] | None = None
     committed: int | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     failures: int = 0  #: consecutive worker failures (restart backoff)
@@ -554,9 +555,7 @@ class KafkaRunner:
         part, record = delivery.part, delivery.record
         assert part.pending and part.pending[0] is record, "settled out of order"
         part.pending.popleft()
-        part.done = record.offset + 1
-        if self.offsets is not None:
-            part.done_mark = record_mark(record)
+        part.done, part.done_record = record.offset + 1, record
         part.failures = 0
 
     async def retry_later(self, delivery: _Delivery, verdict: Verdict) -> None:
@@ -646,7 +645,8 @@ class KafkaRunner:
             return
         offset: int | None = part.done
         if self.offsets is not None:  # Postgres first; Kafka's copy is advisory (lag)
-            offset = await self._save_offset(part, part.done, part.done_mark)
+            mark = None if part.done_record is None else record_mark(part.done_record)
+            offset = await self._save_offset(part, part.done, mark)
         if offset is None:
             return
         async with part.commit_lock:
