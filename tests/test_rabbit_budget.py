@@ -294,6 +294,7 @@ async def test_an_existing_queue_whose_delivery_limit_is_below_the_budget_refuse
 
 
 async def test_an_existing_queue_whose_delivery_limit_covers_the_budget_is_consumed(
+    caplog: pytest.LogCaptureFixture,
     store: PostgresStore,
     amqp_connection: aio_pika.abc.AbstractConnection,
     queues: str,
@@ -306,6 +307,7 @@ async def test_an_existing_queue_whose_delivery_limit_covers_the_budget_is_consu
     )
     runner = RabbitRunner(noop_consumer(store, scope), queue=queues, max_deliveries=20)
     await run_until(runner, 1, 30)
+    assert "keeps its x-delivery-limit of 50" in caplog.text
 
 
 def test_declared_arguments_with_a_delivery_limit_below_the_budget_refuse_to_start(

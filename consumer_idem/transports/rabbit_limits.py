@@ -21,12 +21,15 @@ Only what AMQP shows can be checked: a limit set by a policy is not visible to a
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
 import aiormq
 
 from consumer_idem.errors import ConfigurationError
+
+log = logging.getLogger("consumer_idem.transports.rabbit")
 
 DELIVERY_LIMIT = "x-delivery-limit"
 #: RabbitMQ 4's limit for a quorum queue declared without one
@@ -110,7 +113,17 @@ async def declare_consumed(
     except aiormq.exceptions.ChannelPreconditionFailed as exc:
         if _CURRENT.search(str(exc)) is None:
             raise  # another argument differs: as it always did, the declaration fails
-        check_limit(existing_limit(exc, major), max_deliveries, name, "the existing queue's")
+        limit = existing_limit(exc, major)
+        check_limit(limit, max_deliveries, name, "the existing queue's")
+        if limit is not None and limit >= 0:
+            log.warning(
+                "queue %r keeps its x-delivery-limit of %d: the broker counts every return, "
+                "also those other messages cause, so it may drop a message before the budget of "
+                "%s attempts is spent; prefer -1 (RabbitMQ 4) or no limit (RabbitMQ 3)",
+                name,
+                limit,
+                max_deliveries,
+            )
         return await channel.declare_queue(name, passive=True)
     finally:
         if not probe.is_closed:
