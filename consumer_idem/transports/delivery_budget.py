@@ -36,6 +36,9 @@ from consumer_idem.errors import ConsumerIdemError, StoreUnavailable
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.stores.postgres.attempts import DeliveryAttempts
 
+#: runs a prepared delivery (its message, key and fingerprint) through the claim engine
+Execute = Callable[[ConsumerMessage, str, str], Awaitable[Verdict]]
+
 #: record states whose key the claim engine settles without running the handler
 SETTLED_ELSEWHERE = frozenset({"completed", "in_progress", "unknown"})
 
@@ -52,12 +55,17 @@ class DeliveryBudget:
         #: suspects run one at a time: a crash is then the running one's
         self._alone = asyncio.Lock()
 
-    def suspect(self, view: Callable[[], ConsumerMessage]) -> Callable[[], Awaitable[Verdict]]:
+    def suspect(
+        self, view: Callable[[], ConsumerMessage], execute: Execute | None = None
+    ) -> Callable[[], Awaitable[Verdict]]:
         """One redelivered delivery's processing, for
         :func:`~consumer_idem.transports.settle.process_holding` (``view`` gives a fresh view of
         it per try: a handler that changed a parsed body must not hand its change on). However
-        often it is tried again while held in hand, the delivery counts one attempt."""
+        often it is tried again while held in hand, the delivery counts one attempt.
+        ``execute``: how the counted delivery runs (default: the consumer's ``execute``; an
+        integration that hands the handler more than the message wraps it)."""
         counted: list[int] = []
+        run = execute if execute is not None else self.consumer.execute
 
         async def attempt() -> Verdict:
             consumer = self.consumer
@@ -85,7 +93,7 @@ class DeliveryBudget:
                         retry_after=self._outage.delay(self._outages),
                     )
                 self._outages = 0
-                return await consumer.execute(message, key, fingerprint)
+                return await run(message, key, fingerprint)
 
         return attempt
 

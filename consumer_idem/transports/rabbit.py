@@ -106,7 +106,7 @@ def spent_deliveries(message: ConsumerMessage) -> int | None:
     return (message.delivery_count or 0) + extra
 
 
-def _suspect(message: AbstractIncomingMessage) -> bool:
+def redelivered_before(message: AbstractIncomingMessage) -> bool:
     """Delivered before (maybe what killed the last consumer): it runs alone, and counts."""
     return bool(message.redelivered or spent_deliveries(to_message(message)))
 
@@ -523,7 +523,7 @@ class RabbitRunner:
                 await settle.settle(self, message, verdict)
                 del unsettled[message]
                 continue
-            if _suspect(message):
+            if redelivered_before(message):
                 # delivered before and never settled: maybe what killed the last consumer
                 del unsettled[message]
                 self._spawn(self._handle(message))
@@ -663,7 +663,7 @@ class RabbitRunner:
         # a fresh view per attempt: a handler that changed the parsed body in place must not
         # hand its changes to the next attempt
         process = lambda: self.consumer.process(to_message(message))  # noqa: E731
-        if self._budget is not None and _suspect(message):
+        if self._budget is not None and redelivered_before(message):
             process = self._budget.suspect(lambda: to_message(message))
         return await settle.process_holding(
             process,
@@ -711,8 +711,9 @@ class RabbitRunner:
             self._flusher = self._spawn(self._flush_acks())
 
     async def retry_later(self, message: AbstractIncomingMessage, verdict: Verdict) -> None:
-        if self._budget is not None and not settle.is_wait(verdict) and not _suspect(message):
-            await self._budget.failed(verdict)  # (a suspect counted itself ahead)
+        counted_ahead = redelivered_before(message)  # a suspect counted itself ahead
+        if self._budget is not None and not settle.is_wait(verdict) and not counted_ahead:
+            await self._budget.failed(verdict)
         if settle.is_wait(verdict) and not self.stopping():
             # held for max_hold already: hand it back without spending the delivery budget
             copy = handed_back_copy(message, spent_deliveries(to_message(message)))
