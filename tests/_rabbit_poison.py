@@ -4,8 +4,8 @@
 
 Books payments with the demo ledger handler in batch mode; a batch holding a message with the
 header ``poison`` ends the process at once (``os._exit``), as a crash in native code or an
-out-of-memory kill would: nothing is rolled back politely, nothing is acked. Prints one JSON
-line once it consumes; exits 0 on SIGTERM.
+out-of-memory kill would: nothing is rolled back politely, nothing is acked; one with the header
+``slow`` takes 1.5 s to book. Prints one JSON line once it consumes; exits 0 on SIGTERM.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ async def main(queue: str, max_deliveries: int) -> None:
         if any("poison" in m.headers for m in messages):
             os._exit(3)
         await record_payments(messages, conn)
+        if any("slow" in m.headers for m in messages):
+            await asyncio.sleep(1.5)  # a slow good message: other deliveries arrive meanwhile
         await asyncio.sleep(0.05)  # a little work: deliveries beside the poison are in flight
 
     stop = asyncio.Event()

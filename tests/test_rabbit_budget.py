@@ -7,6 +7,7 @@ delivery limits the budget cannot live with."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -85,6 +86,9 @@ async def start_poisoned(
     )
     assert proc.stdout is not None
     line = await asyncio.wait_for(proc.stdout.readline(), timeout=60)
+    if line == b"":  # a poison killed it before it could say it started
+        await asyncio.wait_for(proc.wait(), timeout=60)
+        return proc
     assert json.loads(line)["event"] == "started", line
     return proc
 
@@ -144,6 +148,62 @@ async def test_a_poison_that_kills_its_consumer_spends_only_its_own_budget(
         assert (await attempts(store, LEDGER_SCOPE, key) or 0) <= 2
         record = await store.get(LEDGER_SCOPE, key)
         assert record is not None and record.status == "completed"
+
+
+async def test_a_redelivered_message_is_not_charged_for_a_fresh_poison_beside_it(
+    pg_dsn: str,
+    pg_pool: asyncpg.Pool,
+    store: PostgresStore,
+    demo_tables: None,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+    queues: str,
+    run_id: str,
+) -> None:
+    """A slow good message, redelivered after a crash, runs and counts an attempt; while it
+    runs, a poison delivered for the first time kills the process. The crash is the poison's:
+    the good message is booked once and never dead-lettered, however many fresh poisons follow
+    (``max_deliveries=2``, three of them)."""
+    channel = await amqp_connection.channel(publisher_confirms=True)
+    await channel.declare_queue(queues, durable=True, arguments=QUORUM)
+    good = f"{run_id}-0"
+
+    async def publish(n: int, flag: str) -> None:
+        headers = {"idempotency-key": f"{run_id}-{n}", flag: "yes"}
+        await channel.default_exchange.publish(
+            aio_pika.Message(payment(run_id, n), headers=headers), routing_key=queues
+        )
+
+    await publish(0, "slow")
+    await publish(1, "poison")  # in the first batch with it: the good one becomes a suspect
+    poisons = 2
+    for round_ in range(12):
+        before = await attempts(store, LEDGER_SCOPE, good) or 0
+        proc = await start_poisoned(pg_dsn, queues, 2)
+        try:
+            for _ in range(100):  # the good one starts its run of 1.5 s (or the process dies)
+                if proc.returncode is not None or await ledger_count(pg_pool, run_id):
+                    break
+                if (await attempts(store, LEDGER_SCOPE, good) or 0) > before:
+                    if poisons < 5:
+                        await publish(poisons, "poison")  # fresh, while the good one runs
+                        poisons += 1
+                    break
+                await asyncio.sleep(0.05)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), timeout=10)
+        finally:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.wait_for(proc.communicate(), timeout=60)
+        dead = [m.headers["idempotency-key"] for m in await drain(channel, f"{queues}.dlq")]
+        spent = await attempts(store, LEDGER_SCOPE, good)
+        assert good not in dead, f"the good message was dead-lettered (round {round_}, {spent})"
+        if await ledger_count(pg_pool, run_id) == 1 and await ready_count(channel, queues) == 0:
+            break
+    assert await ledger_count(pg_pool, run_id) == 1
+    record = await store.get(LEDGER_SCOPE, good)
+    assert record is not None and record.status == "completed"
+    assert (await attempts(store, LEDGER_SCOPE, good) or 0) <= 2
 
 
 async def _exited(proc: asyncio.subprocess.Process) -> bool:

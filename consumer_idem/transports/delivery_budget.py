@@ -10,11 +10,13 @@ So the broker's counter is only a hint here:
 * A delivery the broker has not delivered before runs as usual, without a write of its own;
   if its handler fails, that attempt is counted then.
 * A delivery it has delivered before (it may be what killed the last consumer) is a suspect.
-  Suspects run one at a time, and each counts one attempt of its key in Postgres
-  (:class:`~consumer_idem.stores.postgres.attempts.DeliveryAttempts`), committed on its own
-  right before the claim and the handler: a crash in the handler is counted against the key
-  that was running alone, never against the deliveries waiting their turn. (A first delivery
-  that kills the process is not counted: a poison runs at most ``max_deliveries + 1`` times.)
+  Suspects run alone: no other handler of the process runs beside one, first deliveries
+  included (:mod:`~consumer_idem.transports.run_gate`), and each counts one attempt of its key
+  in Postgres (:class:`~consumer_idem.stores.postgres.attempts.DeliveryAttempts`), committed on
+  its own right before the claim and the handler: a crash in the handler is counted against the
+  key that was running alone, never against the deliveries waiting their turn, nor for a fresh
+  poison that would have run beside it. (A first delivery that kills the process is not
+  counted: a poison runs at most ``max_deliveries + 1`` times.)
 * With ``max_deliveries`` attempts counted, the key's record is read first. A key that completed,
   is in flight elsewhere or is parked ``unknown`` goes through the claim engine, which replays
   it, waits, or leaves it to reconciliation, and never runs the handler; only a key with no
@@ -26,15 +28,18 @@ So the broker's counter is only a hint here:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from consumer_idem.backoff import Backoff
 from consumer_idem.consumer import Action, IdempotentConsumer, Verdict
 from consumer_idem.errors import ConsumerIdemError, StoreUnavailable
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.stores.postgres.attempts import DeliveryAttempts
+from consumer_idem.transports.run_gate import process_gate
+
+V = TypeVar("V")
 
 #: runs a prepared delivery (its message, key and fingerprint) through the claim engine
 Execute = Callable[[ConsumerMessage, str, str], Awaitable[Verdict]]
@@ -52,8 +57,6 @@ class DeliveryBudget:
         self.attempts = DeliveryAttempts(consumer.store)
         self._outage = Backoff(consumer.backoff_base, consumer.backoff_max)
         self._outages = 0
-        #: suspects run one at a time: a crash is then the running one's
-        self._alone = asyncio.Lock()
 
     def suspect(
         self, view: Callable[[], ConsumerMessage], execute: Execute | None = None
@@ -74,7 +77,7 @@ class DeliveryBudget:
             if isinstance(prepared, Verdict):
                 return prepared  # no key: dead-lettered with its reason, as when fresh
             key, fingerprint = prepared
-            async with self._alone:
+            async with process_gate().alone():  # a crash is then the running one's
                 try:
                     if not counted:  # once per delivery, however often it is tried again
                         n = await self.attempts.count(consumer.scope, key, self.limit)
@@ -94,6 +97,16 @@ class DeliveryBudget:
                     )
                 self._outages = 0
                 return await run(message, key, fingerprint)
+
+        return attempt
+
+    def fresh(self, process: Callable[[], Awaitable[V]]) -> Callable[[], Awaitable[V]]:
+        """A first delivery's (or batch's) processing, ``process``, held back while a suspect
+        runs alone (in-process only: no round trip)."""
+
+        async def attempt() -> V:
+            async with process_gate().shared():
+                return await process()
 
         return attempt
 

@@ -11,7 +11,7 @@
 * A handler failure worth retrying is held for ``retry_after`` seconds and then
   ``nack(requeue=True)``-ed: the prefetch slot, not the whole queue, waits. The delivery budget
   (``max_deliveries``) counts the attempts that ran the key's handler, in Postgres; the broker's
-  ``x-delivery-count`` only says which deliveries to count, and they run one at a time
+  ``x-delivery-count`` only says which deliveries to count, and they run alone
   (``delivery_budget``). At the budget the key's record is read: a completed key is acked,
   never dead-lettered. The consumed queue's ``x-delivery-limit`` is declared or checked so
   that the broker never decides first (``rabbit_limits``).
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -536,7 +537,8 @@ class RabbitRunner:
             # must not hand its changes to the next attempt
             if not views:
                 views = [to_message(m) for m in fresh]
-            verdicts = await self.consumer.process_batch(views)
+            run = functools.partial(self.consumer.process_batch, views)
+            verdicts = await (run if self._budget is None else self._budget.fresh(run))()
             views = []
             done = 0
             for message, verdict in zip(fresh, verdicts, strict=False):
@@ -663,8 +665,9 @@ class RabbitRunner:
         # a fresh view per attempt: a handler that changed the parsed body in place must not
         # hand its changes to the next attempt
         process = lambda: self.consumer.process(to_message(message))  # noqa: E731
-        if self._budget is not None and redelivered_before(message):
-            process = self._budget.suspect(lambda: to_message(message))
+        if self._budget is not None:  # a suspect runs alone, a first delivery beside others
+            suspect = self._budget.suspect(lambda: to_message(message))
+            process = suspect if redelivered_before(message) else self._budget.fresh(process)
         return await settle.process_holding(
             process,
             stats=self.stats,
