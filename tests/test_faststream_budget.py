@@ -5,6 +5,7 @@ are not dead-lettered, and a key whose effect committed is acked past its budget
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -147,3 +148,52 @@ async def test_a_committed_key_redelivered_past_its_budget_is_acked_not_dead_let
     assert await drain(channel, f"{queue_name}.dlq") == []
     assert await ready_count(channel, queue_name) == 0
     assert await effect_count(pg_pool, scope) == 1
+
+
+async def test_a_subscriber_queue_whose_delivery_limit_is_below_the_budget_is_refused(
+    settings: Settings,
+    store: PostgresStore,
+    scope: str,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+    queue_name: str,
+) -> None:
+    """A queue declared with ``x-delivery-limit: 2`` under a budget of 5: the broker would drop
+    a message the budget still means to deliver. The subscriber is refused on its first message
+    (``IdempotencyConfigError``): the handler never runs, nothing is acked or dead-lettered, and
+    the message is back in its queue once the app stops."""
+    limited = {"x-delivery-limit": 2}
+    broker = RabbitBroker(settings.amqp_url)
+    idem = Idempotency(store, broker=broker, scope=scope, key=KEY, max_deliveries=5)
+    router = RabbitRouter(middlewares=[idem])
+    ran: list[str] = []
+
+    @router.subscriber(
+        RabbitQueue(queue_name, queue_type=QueueType.QUORUM, arguments=limited),
+        ack_policy=AckPolicy.MANUAL,
+    )
+    async def handle(data: dict[str, Any], current: CurrentIdempotency) -> None:
+        ran.append(current.key)
+
+    broker.include_router(router)
+    channel = await amqp_connection.channel(publisher_confirms=True)
+    try:
+        await channel.declare_queue(queue_name, durable=True, arguments={**QUORUM, **limited})
+        await channel.default_exchange.publish(
+            aio_pika.Message(b'{"n": 1}', headers={"idempotency-key": "k1"}),
+            routing_key=queue_name,
+        )
+        await broker.start()
+        try:
+            await asyncio.sleep(2)
+        finally:
+            await broker.stop()
+        assert ran == [] and idem.stats.processed == 0 and idem.stats.dead_lettered == 0
+
+        async def back() -> bool:
+            return await ready_count(channel, queue_name) == 1
+
+        await wait_until(back, 10, "the message to be back in its queue")
+    finally:
+        await channel.queue_delete(queue_name)
+        await channel.queue_delete(f"{queue_name}.dlq")
+        await channel.close()

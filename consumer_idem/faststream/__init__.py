@@ -457,7 +457,10 @@ class _Rabbit:
         return to_message(raw)
 
     def check(self, subscriber: Any) -> None:
-        """Deliveries are acked one by one: any concurrency is fine."""
+        """Deliveries are acked one by one: any concurrency is fine. The queue's own delivery
+        limit must not end a message before the budget does."""
+        assert self.idem.budget is not None
+        self.idem.budget.check_queue(subscriber)
 
     def source(self, message: StreamMessage[Any], subscriber: Any) -> str:
         queue = getattr(subscriber, "queue", None)

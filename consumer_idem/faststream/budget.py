@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from consumer_idem.consumer import Verdict
+from consumer_idem.errors import ConfigurationError, IdempotencyConfigError
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.transports import settle
 from consumer_idem.transports.delivery_budget import DeliveryBudget, Execute
@@ -46,6 +47,21 @@ class RabbitBudget:
         if self._budget is None:
             self._budget = DeliveryBudget(self.idem.consumer, self.idem.max_deliveries)
         return self._budget
+
+    def check_queue(self, subscriber: Any) -> None:
+        """Refuse a subscriber whose queue is declared with an ``x-delivery-limit`` below the
+        budget (the broker would drop, or dead-letter elsewhere, a message the budget still
+        means to deliver), as ``RabbitRunner`` refuses such queue arguments."""
+        from consumer_idem.transports.rabbit_limits import check_arguments
+
+        queue = getattr(subscriber, "queue", None)
+        arguments = getattr(queue, "arguments", None)
+        if not isinstance(arguments, dict):
+            return
+        try:
+            check_arguments(arguments, self.idem.max_deliveries, str(getattr(queue, "name", "")))
+        except ConfigurationError as exc:
+            raise IdempotencyConfigError(str(exc)) from exc
 
     def processing(
         self,
