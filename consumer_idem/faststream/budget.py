@@ -2,7 +2,8 @@
 
 The same rule as :class:`~consumer_idem.transports.rabbit.RabbitRunner`'s
 (:mod:`consumer_idem.transports.delivery_budget`): the broker's ``x-delivery-count`` only says
-which deliveries were delivered before. Those run one at a time, each counting one attempt of
+which deliveries were delivered before. Those run alone in the process (first deliveries
+wait, :mod:`consumer_idem.transports.run_gate`), each counting one attempt of
 its key in Postgres right before its handler; a first delivery counts when its handler fails.
 At ``max_deliveries`` attempts the key's record is read first: a completed key is replayed and
 acked, never dead-lettered, and a store outage is waited out. So deliveries returned by a
@@ -70,11 +71,11 @@ class RabbitBudget:
         execute: Execute,
         fresh: Callable[[], Awaitable[Verdict]],
     ) -> Callable[[], Awaitable[Verdict]]:
-        """How ``message`` is processed: ``fresh`` for a first delivery; a delivery the broker
-        delivered before runs counted, alone among such (``view`` gives a fresh view of it per
-        try, ``execute`` runs it once counted)."""
+        """How ``message`` is processed: a first delivery by ``fresh``, beside others but never
+        beside a suspect; a delivery the broker delivered before runs counted, alone in its
+        process (``view`` gives a fresh view of it per try, ``execute`` runs it once counted)."""
         if not _delivered_before(message):
-            return fresh
+            return self.budget.fresh(fresh)
         return self.budget.suspect(view, execute)
 
     async def failed(self, message: StreamMessage[Any], verdict: Verdict) -> None:
