@@ -18,44 +18,47 @@ from contextlib import asynccontextmanager
 
 
 class RunGate:
-    """Many handlers at once (:meth:`shared`), or one alone (:meth:`alone`)."""
+    """Many handlers at once (:meth:`shared`), or one alone (:meth:`alone`).
+
+    Entering and leaving :meth:`shared` while no suspect is about costs no wait and no lock
+    (a check and a counter: this is every first delivery's path); nothing is awaited on the
+    way out, so a cancelled handler never leaves the gate closed."""
 
     def __init__(self) -> None:
-        self._changed = asyncio.Condition()
         self._running = 0  #: handlers in :meth:`shared`
-        self._alone = False  #: a handler in :meth:`alone`
-        self._waiting = 0  #: handlers waiting to run alone (they hold new shared ones back)
+        self._idle = asyncio.Event()  #: set while none is
+        self._idle.set()
+        self._suspects = 0  #: handlers running or waiting to run alone
+        self._open = asyncio.Event()  #: set while there are none (shared ones may start)
+        self._open.set()
+        self._turn = asyncio.Lock()  #: suspects run one after another
 
     @asynccontextmanager
     async def shared(self) -> AsyncIterator[None]:
-        async with self._changed:
-            await self._changed.wait_for(lambda: not self._alone and not self._waiting)
-            self._running += 1
+        while not self._open.is_set():
+            await self._open.wait()
+        self._running += 1
+        self._idle.clear()
         try:
             yield
         finally:
-            async with self._changed:
-                self._running -= 1
-                self._changed.notify_all()
+            self._running -= 1
+            if not self._running:
+                self._idle.set()
 
     @asynccontextmanager
     async def alone(self) -> AsyncIterator[None]:
-        async with self._changed:
-            self._waiting += 1
-            try:
-                await self._changed.wait_for(lambda: not self._alone and not self._running)
-            except BaseException:  # cancelled: the shared ones it held back may go
-                self._waiting -= 1
-                self._changed.notify_all()
-                raise
-            self._waiting -= 1
-            self._alone = True
+        self._suspects += 1
+        self._open.clear()  # new shared ones wait: suspects are rare, and go first
         try:
-            yield
+            async with self._turn:
+                while self._running:
+                    await self._idle.wait()
+                yield
         finally:
-            async with self._changed:
-                self._alone = False
-                self._changed.notify_all()
+            self._suspects -= 1
+            if not self._suspects:
+                self._open.set()
 
 
 _gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, RunGate] = weakref.WeakKeyDictionary()
