@@ -32,6 +32,7 @@ COUNTERS = (
     "reconcile_failed",
     "invalid_key",
     "lease_lost",
+    "stored_offset_discarded",
 )
 
 #: gauges (set, not counted), with their help text; labelled by scope label

@@ -368,9 +368,11 @@ async def test_a_missing_or_old_schema_names_the_command_that_fixes_it(pg_dsn: s
     try:
         newest = await conn.fetchval(f'SELECT max(version) FROM "{old}".schema_migrations')
         await conn.execute(f'DELETE FROM "{old}".schema_migrations WHERE version = $1', newest)
+        # (version numbers may have gaps: the one before is what the schema holds now)
+        previous = await conn.fetchval(f'SELECT max(version) FROM "{old}".schema_migrations')
     finally:
         await conn.close()
     code, _, err = await cli("list", "--schema", old, dsn=pg_dsn)
     assert code == 2 and err.count("\n") == 1
-    assert f"is at version {newest - 1}, this library needs {newest}" in err
+    assert f"is at version {previous}, this library needs {newest}" in err
     assert f"run `consumer-idem migrate --schema {old}`" in err

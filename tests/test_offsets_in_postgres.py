@@ -16,7 +16,8 @@ from typing import Any
 import asyncpg
 import pytest
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.admin import NewTopic
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
 from consumer_idem import (
     ConsumerMessage,
@@ -33,6 +34,7 @@ from handlers.payments import ensure_tables, record_payment, record_payments
 from tests._payments import assert_exactly_once, ledger_count, payment, send_raw, wait_until
 from tests.conftest import ROOT_DIR
 from tests.test_consumer_kafka import FAST, committed
+from tests.test_transport_kafka import RefusedDeadLetters
 
 STEPS = ("fetched", "handler", "commit", "committed", "kafka")
 
@@ -73,7 +75,7 @@ async def stopped(proc: asyncio.subprocess.Process) -> dict[str, Any]:
 
 async def stored_offsets(store: PostgresStore, group: str, topic: str, n: int) -> dict[int, int]:
     found = await PostgresOffsets(store, group).load((topic, p) for p in range(n))
-    return {p: offset for (_, p), offset in found.items()}
+    return {p: offset for (_, p), (offset, _) in found.items()}
 
 
 async def crash_then_restart(
@@ -326,3 +328,139 @@ def test_offsets_in_postgres_needs_an_idempotent_consumer() -> None:
 
     with pytest.raises(TypeError, match="idempotent_consumer"):
         KafkaRunner(NotOne(), topics=["t"], group_id="g", offsets_in_postgres=True)  # type: ignore[arg-type]
+
+
+async def recreate_topic(admin: Any, topic: str) -> None:
+    """Delete ``topic`` and create it again under its name (a new, empty log)."""
+    await admin.delete_topics([topic])
+    deadline = asyncio.get_running_loop().time() + 60
+    while True:
+        try:
+            if topic not in await admin.list_topics():
+                await admin.create_topics([NewTopic(topic, 1, 1)])
+                return
+        except (TopicAlreadyExistsError, KafkaError):  # still being deleted
+            pass
+        assert asyncio.get_running_loop().time() < deadline, "the topic was not created again"
+        await asyncio.sleep(0.5)
+
+
+async def test_a_topic_created_again_runs_every_record_of_its_new_log(
+    settings: Settings,
+    store: PostgresStore,
+    kafka_admin: Any,
+    kafka_topic_factory: Any,
+    run_id: str,
+) -> None:
+    """Offsets stored for a topic that was deleted and created again belong to the old log:
+    the runner starts the new one at Kafka's committed offset (gone with the topic), runs all
+    of its records, says so and counts it."""
+    topic = await kafka_topic_factory("offsets-recreated")
+    ran: list[str] = []
+
+    @idempotent_consumer(store, scope=f"scope-{run_id}", key=header("idempotency-key"))
+    async def handler(message: ConsumerMessage, conn: asyncpg.Connection) -> None:
+        ran.append(message.headers["idempotency-key"].decode())
+
+    async def produce(prefix: str, n: int) -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all")
+        await producer.start()
+        try:
+            for i in range(n):
+                headers = [("idempotency-key", f"{run_id}-{prefix}-{i}".encode())]
+                await producer.send_and_wait(topic, b"{}", headers=headers)
+        finally:
+            await producer.stop()
+
+    async def consume(prefix: str, n: int) -> None:
+        runner = KafkaRunner(
+            handler,
+            topics=[topic],
+            group_id=run_id,
+            offsets_in_postgres=True,
+            outbox_relay=None,
+            consumer_options=FAST,
+        )
+        stop = asyncio.Event()
+        task = asyncio.create_task(runner.run(stop))
+        try:
+
+            async def all_ran() -> bool:
+                return sum(k.startswith(f"{run_id}-{prefix}-") for k in ran) >= n
+
+            await wait_until(all_ran, 45, f"the {n} {prefix} records to run")
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 60)
+
+    await produce("old", 10)
+    await consume("old", 10)
+    assert await stored_offsets(store, run_id, topic, 1) == {0: 10}
+
+    await recreate_topic(kafka_admin, topic)
+    await produce("new", 12)
+    await consume("new", 12)
+    assert sorted(k for k in ran if "-new-" in k) == sorted(f"{run_id}-new-{i}" for i in range(12))
+    assert store.metrics.count("stored_offset_discarded", f"scope-{run_id}") == 1
+    assert await stored_offsets(store, run_id, topic, 1) == {0: 12}
+
+
+async def test_a_repeated_key_with_another_payload_in_a_batch_holds_the_stored_offset(
+    settings: Settings,
+    store: PostgresStore,
+    pg_pool: asyncpg.Pool,
+    demo_tables: None,
+    kafka_topic_factory: Any,
+    run_id: str,
+) -> None:
+    """Batch mode, offsets in Postgres: a key met again in the batch with another payload is
+    misuse, to dead-letter; the batch's COMMIT stores the offset only up to the record before
+    it, so while its dead letter cannot be written yet the stored offset stays there, and a
+    crash then would meet it again instead of skipping it."""
+    topic = await kafka_topic_factory("offsets-misuse")
+    dlq = f"{topic}.dlq"
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all")
+    await producer.start()
+    try:
+        items = [
+            ("k1", payment(run_id, 1)),
+            ("k1", payment(run_id, 1, amount=999)),  # the same key, another payload
+            ("k2", payment(run_id, 2)),
+        ]
+        for key, body in items:
+            await producer.send_and_wait(
+                topic, body, headers=[("idempotency-key", f"{run_id}-{key}".encode())]
+            )
+    finally:
+        await producer.stop()
+    runner = KafkaRunner(
+        ledger(store, f"scope-{run_id}", batch=True),
+        topics=[topic],
+        group_id=run_id,
+        offsets_in_postgres=True,
+        outbox_relay=None,
+        consumer_options=FAST,
+    )
+    refused = RefusedDeadLetters(runner, dlq)
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    try:
+
+        async def first_stored() -> bool:
+            return await stored_offsets(store, run_id, topic, 1) == {0: 1}
+
+        await wait_until(first_stored, 30, "the batch to commit")
+        await asyncio.sleep(2)  # the dead letter is refused again and again
+        assert await stored_offsets(store, run_id, topic, 1) == {0: 1}
+        assert runner.stats.dead_lettered == 0
+        refused.end()
+
+        async def all_settled() -> bool:
+            return await stored_offsets(store, run_id, topic, 1) == {0: 3}
+
+        await wait_until(all_settled, 30, "the dead letter to go out and the offset to move")
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+    assert runner.stats.dead_lettered == 1
+    assert await ledger_count(pg_pool, run_id) == 2

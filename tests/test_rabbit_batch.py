@@ -194,49 +194,6 @@ async def take_and_die(settings: Settings, queue: str, n: int) -> None:
     await doomed.close()
 
 
-async def test_delivered_before_runs_alone_and_over_budget_is_dead_lettered_unrun(
-    settings: Settings,
-    store: PostgresStore,
-    pg_pool: asyncpg.Pool,
-    demo_tables: None,
-    amqp_connection: aio_pika.abc.AbstractConnection,
-    queues: str,
-    run_id: str,
-    scope: str,
-) -> None:
-    channel = await amqp_connection.channel(publisher_confirms=True)
-    await channel.declare_queue(queues, durable=True, arguments=QUORUM)
-    for n in range(12):
-        await channel.default_exchange.publish(
-            aio_pika.Message(payment(run_id, n), headers={"idempotency-key": f"{run_id}-{n}"}),
-            routing_key=queues,
-        )
-    # a consumer dies holding the first three, then another one holding the first two again
-    await take_and_die(settings, queues, 3)
-    await take_and_die(settings, queues, 2)
-    booked = Booked()
-    consumer = idempotent_consumer(store, scope=scope, key=header("idempotency-key"), batch=True)(
-        booked
-    )
-    runner = RabbitRunner(consumer, queue=queues, batch_size=20, batch_wait=0.3, max_deliveries=2)
-    await run_until(runner, 12)
-
-    dead = await drain(channel, f"{queues}.dlq")
-    assert len(dead) == 2
-    assert {m.headers["x-dead-letter-reason"] for m in dead} == {"max_deliveries"}
-    # the two taken twice (returned messages come back first, in their order)
-    assert {m.headers["idempotency-key"] for m in dead} == {f"{run_id}-0", f"{run_id}-1"}
-    # the one delivered once before ran on its own; the nine fresh ones in one batch
-    assert sorted(booked.sizes) == [1, 9]
-    for counts in booked.counts:
-        expected = [1] if len(counts) == 1 else [None] * 9
-        assert counts == expected
-    assert await ledger_count(pg_pool, run_id) == 10
-    unrun = {m.headers["idempotency-key"] for m in dead}
-    for key in unrun:
-        assert await store.get(scope, key) is None
-
-
 async def test_postgres_connections_terminated_mid_run_lose_and_double_nothing(
     pg_dsn: str,
     demo_tables: None,

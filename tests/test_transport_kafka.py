@@ -27,6 +27,7 @@ from consumer_idem import (
 )
 from consumer_idem.cli.settings import Settings
 from consumer_idem.transports.kafka import KafkaRunner
+from consumer_idem.transports.kafka_offsets import PostgresOffsets
 from handlers.payments import ensure_tables, record_payment
 from tests._payments import ledger_count, payment, read_topic, send_raw, wait_until
 from tests.conftest import unique
@@ -58,6 +59,27 @@ class Running:
     async def finish(self) -> None:
         self.stop.set()
         await asyncio.wait_for(self.task, 60)
+
+
+class RefusedDeadLetters:
+    """The producer takes the runner's dead letters to ``dlq`` but the broker's acknowledgement
+    fails (what a leader change or too few in-sync replicas look like), until :meth:`end`."""
+
+    def __init__(self, runner: KafkaRunner, dlq: str) -> None:
+        self.refusing = True
+        real_send = runner._producer.send
+
+        async def send(topic_name: str, *args: Any, **kwargs: Any) -> Any:
+            if topic_name == dlq and self.refusing:
+                failed = asyncio.get_running_loop().create_future()
+                failed.set_exception(NotEnoughReplicasError("injected: too few in-sync replicas"))
+                return failed
+            return await real_send(topic_name, *args, **kwargs)
+
+        runner._producer.send = send  # type: ignore[method-assign]
+
+    def end(self) -> None:
+        self.refusing = False
 
 
 @pytest.fixture
@@ -117,6 +139,63 @@ async def test_a_record_held_for_retry_holds_back_every_commit_after_it(
     assert await committed(settings, run_id, topic) == 3
 
 
+@pytest.mark.parametrize("offsets_in_postgres", [False, True])
+async def test_a_record_held_mid_chunk_holds_back_the_commit_of_the_records_after_it(
+    settings: Settings,
+    store: PostgresStore,
+    pg_pool: asyncpg.Pool,
+    demo_tables: None,
+    kafka_topic_factory: Any,
+    kafka_producer: AIOKafkaProducer,
+    run_id: str,
+    scope: str,
+    offsets_in_postgres: bool,
+) -> None:
+    """Two records settle, the third waits (its key is held elsewhere), two more follow in
+    the same chunk: the committed offset (in Kafka, and in Postgres) stops at the held one,
+    never at the chunk's end, however long it waits."""
+    topic = await kafka_topic_factory("midheld")
+    held = payment(run_id, 2)
+    holder = await store.reserve(scope, "held", fingerprint_payload(held), lease=60)
+    items = [({"idempotency-key": f"before-{i}".encode()}, payment(run_id, i)) for i in (0, 1)]
+    items += [({"idempotency-key": b"held"}, held)]
+    items += [({"idempotency-key": f"after-{i}".encode()}, payment(run_id, i)) for i in (3, 4)]
+    await send_raw(kafka_producer, topic, items)
+    runner = KafkaRunner(
+        ledger(store, scope),
+        topics=[topic],
+        group_id=run_id,
+        consumer_options=FAST,
+        offsets_in_postgres=offsets_in_postgres,
+        outbox_relay=None,
+    )
+    running = Running(runner)
+    try:
+
+        async def before_committed() -> bool:
+            return runner.stats.retries >= 2 and await committed(settings, run_id, topic) == 2
+
+        await wait_until(before_committed, 20, "the records before the held one to commit")
+        await asyncio.sleep(1.5)  # more retries, and any commit they would make
+        assert await committed(settings, run_id, topic) == 2
+        if offsets_in_postgres:
+            stored = await PostgresOffsets(store, run_id).load([(topic, 0)])
+            assert stored[(topic, 0)][0] == 2
+        assert await ledger_count(pg_pool, run_id) == 2  # in order: nothing after it ran
+        async with pg_pool.acquire() as conn, conn.transaction():
+            await record_payment(ConsumerMessage(held), conn)
+            await store.complete(scope, "held", holder.token, None, conn=conn)
+
+        async def all_settled() -> bool:
+            return runner.stats.processed >= 5
+
+        await wait_until(all_settled, 20, "the held record to be replayed")
+    finally:
+        await running.finish()
+    assert await committed(settings, run_id, topic) == 5
+    assert await ledger_count(pg_pool, run_id) == 5
+
+
 async def test_a_dead_letter_the_broker_does_not_acknowledge_yet_holds_the_commit(
     settings: Settings,
     store: PostgresStore,
@@ -137,25 +216,13 @@ async def test_a_dead_letter_the_broker_does_not_acknowledge_yet_holds_the_commi
     runner = KafkaRunner(
         ledger(store, scope), topics=[topic], group_id=run_id, consumer_options=FAST
     )
-    # The producer takes the dead letter but the broker's acknowledgement fails (what a leader
-    # change or too few in-sync replicas look like), until ``refusing`` is cleared.
-    refusing = True
-    real_send = runner._producer.send
-
-    async def send(topic_name: str, *args: Any, **kwargs: Any) -> Any:
-        if topic_name == dlq and refusing:
-            failed = asyncio.get_running_loop().create_future()
-            failed.set_exception(NotEnoughReplicasError("injected: too few in-sync replicas"))
-            return failed
-        return await real_send(topic_name, *args, **kwargs)
-
-    runner._producer.send = send  # type: ignore[method-assign]
+    refused = RefusedDeadLetters(runner, dlq)
     running = Running(runner)
     try:
         await asyncio.sleep(4)  # several refused attempts
         assert runner.stats.dead_lettered == 0
         assert await committed(settings, run_id, topic) is None
-        refusing = False
+        refused.end()
 
         async def settled() -> bool:
             return runner.stats.processed >= 2

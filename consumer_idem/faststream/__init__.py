@@ -36,8 +36,9 @@ down, the result publish failed after the commit) is delivered again after a bac
 the consumer seeks back to it (which holds back the subscriber, keeping partition order). On
 RabbitMQ, waiting (store down, key in progress elsewhere) happens in hand, re-processing the
 delivery, for up to ``max_hold`` seconds, and is then handed back as a copy at the tail of the
-queue: neither spends the quorum queue's delivery budget. A handler failure worth retrying is
-``nack(requeue=True)``-ed, which does.
+queue: neither spends the delivery budget. A handler failure worth retrying is
+``nack(requeue=True)``-ed, which does. The budget (``max_deliveries``) counts the attempts that
+ran the key's handler, in Postgres, as ``RabbitRunner``'s does (``faststream.budget``).
 
 Kafka subscribers must keep the records of one partition in order: a subscriber with
 ``max_workers > 1`` that runs records of one partition side by side (FastStream's concurrent
@@ -90,6 +91,7 @@ from consumer_idem.faststream.batch import (
 from consumer_idem.faststream.batch import (
     IdempotencyBatchContext as IdempotencyBatchContext,
 )
+from consumer_idem.faststream.budget import RabbitBudget
 from consumer_idem.faststream.relay import OutboxRelayTask, faststream_route
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import KEY_HEADER, SCOPE_HEADER, Notice
@@ -463,7 +465,10 @@ class _Rabbit:
         return to_message(raw)
 
     def check(self, subscriber: Any) -> None:
-        """Deliveries are acked one by one: any concurrency is fine."""
+        """Deliveries are acked one by one: any concurrency is fine. The queue's own delivery
+        limit must not end a message before the budget does."""
+        assert self.idem.budget is not None
+        self.idem.budget.check_queue(subscriber)
 
     def source(self, message: StreamMessage[Any], subscriber: Any) -> str:
         queue = getattr(subscriber, "queue", None)
@@ -582,8 +587,10 @@ class Idempotency:
     * ``dead_letter``: destination for poison messages: a name, or a callable of the source
       topic/queue (default ``<source>.dlq``);
     * ``reconcile_destination``: topic or queue for notices of ``unknown`` outcomes;
-    * ``max_deliveries`` (RabbitMQ quorum queues): a message redelivered this many times is
-      dead-lettered without running (it keeps killing the consumer);
+    * ``max_deliveries`` (RabbitMQ): a key whose handler ran this many times without settling
+      (it keeps failing, or killing the consumer) is dead-lettered without running again;
+      only the key's own runs count, not the broker's returns, and a key whose record says it
+      completed is acked, never dead-lettered (:mod:`consumer_idem.faststream.budget`);
     * ``declare`` (RabbitMQ): declare the dead-letter and notice queues (durable, quorum);
     * ``max_hold`` (RabbitMQ): how long a delivery waiting for the store or for another owner
       stays in hand before it is handed back as a copy (keep it under ``consumer_timeout``).
@@ -638,6 +645,8 @@ class Idempotency:
         )
         #: the relay of what a crash or an outage left in the outbox (see .relay)
         self.outbox_relay = OutboxRelayTask(self, outbox_relay, app)
+        #: RabbitMQ's delivery budget, counted per key in Postgres
+        self.budget = RabbitBudget(self) if isinstance(self.transport, _Rabbit) else None
         self._batch_consumer: IdempotentConsumer | None = None
         startup.guard_start(self, broker)  # unsafe subscribers refused before any fetch
 
@@ -786,6 +795,8 @@ class _Settler(batch.SubscriberSide):
         await self.transport.ack(message)
 
     async def retry_later(self, message: StreamMessage[Any], verdict: Verdict) -> None:
+        if self.idem.budget is not None:
+            await self.idem.budget.failed(message, verdict)
         # a wait held for max_hold already: hand it back without spending the delivery budget
         if (
             self.transport.holds_waits
@@ -933,19 +944,23 @@ class _Middleware(BaseMiddleware):
             finally:
                 _CURRENT.reset(token)
             raise _Settled(None)  # a batch subscriber publishes nothing through FastStream
-        incoming = self.incoming = idem.transport.incoming(msg)
-        verdict = self._precheck(incoming)
-        if verdict is None:
-            if idem.transport.holds_waits:
-                stopping = _Settler(idem, self.subscriber).stopping
-                verdict = await settle.process_holding(
-                    lambda: self._run(call_next, msg),
-                    stats=idem.stats,
-                    stopping=stopping,
-                    max_hold=idem.max_hold,
+        self.incoming = idem.transport.incoming(msg)
+        if idem.transport.holds_waits:
+            process: Callable[[], Awaitable[Verdict]]
+            process = functools.partial(self._run, call_next, msg)
+            if idem.budget is not None:
+                process = idem.budget.processing(
+                    msg,
+                    functools.partial(idem.transport.incoming, msg),
+                    functools.partial(self._execute, call_next, msg),
+                    process,
                 )
-            else:
-                verdict = await self._run(call_next, msg)
+            stopping = _Settler(idem, self.subscriber).stopping
+            verdict = await settle.process_holding(
+                process, stats=idem.stats, stopping=stopping, max_hold=idem.max_hold
+            )
+        else:
+            verdict = await self._run(call_next, msg)
         self.verdict = verdict
         outcome = verdict.outcome
         if (
@@ -970,21 +985,22 @@ class _Middleware(BaseMiddleware):
         prepared = consumer.prepare(incoming)
         if isinstance(prepared, Verdict):
             return prepared
-        key, fingerprint = prepared
+        return await self._execute(call_next, msg, incoming, *prepared)
+
+    async def _execute(
+        self,
+        call_next: Callable[[StreamMessage[Any]], Awaitable[Any]],
+        msg: StreamMessage[Any],
+        incoming: ConsumerMessage,
+        key: str,
+        fingerprint: str,
+    ) -> Verdict:
+        """The claim engine on a prepared delivery, FastStream's handler call at hand."""
         token = _CURRENT.set(_Call(call_next, msg, self.context, key))
         try:
-            return await consumer.execute(incoming, key, fingerprint)
+            return await self.idem.consumer.execute(incoming, key, fingerprint)
         finally:
             _CURRENT.reset(token)
-
-    def _precheck(self, incoming: ConsumerMessage) -> Verdict | None:
-        from consumer_idem.transports.rabbit import spent_deliveries
-
-        limit = self.idem.max_deliveries
-        count = spent_deliveries(incoming)
-        if limit is not None and count is not None and count >= limit:
-            return Verdict(Action.DEAD_LETTER, self.idem.scope, reason="max_deliveries")
-        return None
 
     async def after_processed(
         self,

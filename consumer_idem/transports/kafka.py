@@ -76,7 +76,8 @@ from consumer_idem.outbox import HeldBack, OutboxService, OutgoingMessage
 from consumer_idem.outbox_identity import broker_route, kafka_where
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.transports import settle, start_failures
-from consumer_idem.transports.kafka_offsets import OffsetHook, PostgresOffsets
+from consumer_idem.transports.kafka_offset_check import start_positions
+from consumer_idem.transports.kafka_offsets import OffsetHook, PostgresOffsets, record_mark
 from consumer_idem.transports.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats, Settled
 
 log = logging.getLogger("consumer_idem.transports.kafka")
@@ -165,6 +166,8 @@ class _Partition:
     revoked: bool = False
     paused: bool = False
     done: int | None = None  #: next offset to commit: last settled offset + 1
+    #: the record before ``done`` (its mark is stored with the offset in Postgres)
+    done_record: ConsumerRecord[bytes, bytes] | None = None
     committed: int | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     failures: int = 0  #: consecutive worker failures (restart backoff)
@@ -339,6 +342,7 @@ class KafkaRunner:
                 raise TypeError("offsets_in_postgres needs an @idempotent_consumer")
             self.offsets = PostgresOffsets(consumer.store, group_id)
             self._hook = OffsetHook(self.offsets, self._stored)
+        self._probe_options = {"bootstrap_servers": self.bootstrap, **(consumer_options or {})}
         self._parts: dict[TopicPartition, _Partition] = {}
         self._generation = 0  #: rebalances seen (revocations and assignments)
         self._stopping = False
@@ -566,7 +570,7 @@ class KafkaRunner:
         part, record = delivery.part, delivery.record
         assert part.pending and part.pending[0] is record, "settled out of order"
         part.pending.popleft()
-        part.done = record.offset + 1
+        part.done, part.done_record = record.offset + 1, record
         part.failures = 0
 
     async def retry_later(self, delivery: _Delivery, verdict: Verdict) -> None:
@@ -656,7 +660,8 @@ class KafkaRunner:
             return
         offset: int | None = part.done
         if self.offsets is not None:  # Postgres first; Kafka's copy is advisory (lag)
-            offset = await self._save_offset(part, part.done)
+            mark = None if part.done_record is None else record_mark(part.done_record)
+            offset = await self._save_offset(part, part.done, mark)
         if offset is None:
             return
         async with part.commit_lock:
@@ -696,16 +701,17 @@ class KafkaRunner:
             if part.done == done or part.revoked or self._stopping:
                 return
 
-    async def _save_offset(self, part: _Partition, done: int) -> int | None:
-        """Store ``done`` as the partition's next offset in Postgres, unless a transaction
-        already did; returns what Postgres holds now (None: nothing yet)."""
+    async def _save_offset(self, part: _Partition, done: int, mark: str | None) -> int | None:
+        """Store ``done`` (and ``mark``, the record before it) as the partition's next offset in
+        Postgres, unless a transaction already did; returns what Postgres holds now (None:
+        nothing yet)."""
         assert self.offsets is not None
         tp = (part.tp.topic, part.tp.partition)
         stored = self._stored.get(tp)
         if stored is not None and stored >= done:
             return stored
         try:
-            await self.offsets.save({tp: done})
+            await self.offsets.save({tp: (done, mark)})
         except ConsumerIdemError as exc:  # the next commit tries again; keys cover a crash
             log.warning("storing the offset of %s@%d failed: %s", part.tp, done, exc)
             return stored
@@ -713,9 +719,10 @@ class KafkaRunner:
         return done
 
     async def _assigned(self, assigned: set[TopicPartition]) -> None:
-        """With offsets in Postgres: start each assigned partition at its stored offset (one
-        the group never stored starts where Kafka says: its committed offset, or the reset
-        policy). While the store does not answer, it is asked again for ``revoke_timeout``;
+        """With offsets in Postgres: start each assigned partition at its stored offset, if it
+        belongs to the partition's log (``kafka_offset_check``); one the group never stored, or
+        that belongs to another log, starts where Kafka says: its committed offset, or the reset
+        policy. While the store does not answer, it is asked again for ``revoke_timeout``;
         after that the partitions start at Kafka's committed offsets, which are never ahead of
         Postgres's, so the records between are met again and replayed by their keys."""
         self._generation += 1
@@ -751,10 +758,14 @@ class KafkaRunner:
                     )
                     return
                 await asyncio.sleep(RESTART_BACKOFF.delay(attempt))
-        for key, offset in stored.items():
-            self._stored[key] = offset
+        assert isinstance(self.consumer, IdempotentConsumer)
+        positions = await start_positions(
+            self._kafka, self.offsets, stored, self._probe_options, self.consumer.scope
+        )
+        for key, offset in positions.items():
+            self._stored[key] = stored[key][0]
             self._kafka.seek(by_key[key], offset)
-        log.info("started at the offsets stored in Postgres: %s", sorted(stored.items()))
+        log.info("started at the offsets stored in Postgres: %s", sorted(positions.items()))
 
     async def _drain(self, parts: list[_Partition]) -> None:
         tasks = [p.task for p in parts if p.task is not None and not p.task.done()]

@@ -9,9 +9,12 @@
   then it is handed back as a confirmed copy at the tail of its queue (and the original acked),
   which carries its delivery count along. Neither spends the delivery budget.
 * A handler failure worth retrying is held for ``retry_after`` seconds and then
-  ``nack(requeue=True)``-ed: the prefetch slot, not the whole queue, waits. On quorum queues this
-  counts in ``x-delivery-count``; a message delivered ``max_deliveries`` times (it keeps failing
-  or killing the consumer) is dead-lettered without running.
+  ``nack(requeue=True)``-ed: the prefetch slot, not the whole queue, waits. The delivery budget
+  (``max_deliveries``) counts the attempts that ran the key's handler, in Postgres; the broker's
+  ``x-delivery-count`` only says which deliveries to count, and they run alone
+  (``delivery_budget``). At the budget the key's record is read: a completed key is acked,
+  never dead-lettered. The consumed queue's ``x-delivery-limit`` is declared or checked so
+  that the broker never decides first (``rabbit_limits``).
 * Any unexpected exception while handling a delivery is logged with its traceback, counted in
   ``stats.failures``, and the delivery is ``nack(requeue=True)``-ed after a short backoff: no
   delivery is ever left unsettled in hand.
@@ -23,9 +26,8 @@
   (:meth:`IdempotentConsumer.process_batch`, which falls back to one transaction per message
   when a member fails). Acks follow the commit, as one ``basic.ack(multiple=True)`` per
   contiguous run of delivery tags (:class:`AckWindow`). A delivery the broker has delivered
-  before (``x-delivery-count``, or ``redelivered``) runs on its own, never in a shared batch:
-  if it is what killed the last consumer, it must not take its batch-mates' delivery budget
-  with it, again and again, until ``max_deliveries`` dead-letters them unrun.
+  before (``x-delivery-count``, or ``redelivered``) runs on its own, never in a shared batch,
+  counted as above: a poison's crashes do not spend its batch-mates' budgets.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ except ImportError as exc:
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -61,6 +64,7 @@ from consumer_idem.consumer import (
     DEAD_LETTER_REASON,
     DEAD_LETTER_SCOPE,
     Action,
+    IdempotentConsumer,
     Processor,
     Verdict,
     reconcile_notice,
@@ -72,6 +76,9 @@ from consumer_idem.outbox import OutboxService, OutgoingMessage, send_all
 from consumer_idem.outbox_identity import amqp_where, broker_route
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.transports import settle, start_failures
+from consumer_idem.transports.delivery_budget import DeliveryBudget
+from consumer_idem.transports.rabbit_acks import AckWindow as AckWindow
+from consumer_idem.transports.rabbit_limits import check_arguments, declare_consumed
 from consumer_idem.transports.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats, Settled
 
 log = logging.getLogger("consumer_idem.transports.rabbit")
@@ -105,6 +112,11 @@ def spent_deliveries(message: ConsumerMessage) -> int | None:
     if message.delivery_count is None and not extra:
         return None
     return (message.delivery_count or 0) + extra
+
+
+def redelivered_before(message: AbstractIncomingMessage) -> bool:
+    """Delivered before (maybe what killed the last consumer): it runs alone, and counts."""
+    return bool(message.redelivered or spent_deliveries(to_message(message)))
 
 
 def _lost(exc: BaseException) -> bool:
@@ -209,80 +221,6 @@ def redispatch_message(notice: Notice) -> aio_pika.Message:
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         **redispatch_properties(notice),
     )
-
-
-class AckWindow:
-    """The acks of one channel's deliveries, in as few frames as is safe (batch mode).
-
-    RabbitMQ numbers a channel's deliveries 1, 2, 3...; ``basic.ack(multiple=True)`` of tag T
-    acks every delivery up to T that is still unacked on the channel. So it is sent only for a
-    run of tags that are all known here and all either ready to ack or settled already (acked
-    or handed back one by one): a delivery still in hand, or not seen yet, ends the run. A
-    ready delivery above such a gap is acked on its own once it has waited ``linger`` seconds
-    for the gap to close: a delivery held for minutes must not keep the others unacked (they
-    would fill the prefetch window).
-    """
-
-    def __init__(self, channel: Any, linger: float) -> None:
-        self.channel = channel
-        self.linger = linger
-        #: every tag up to this one is settled
-        self.floor = 0
-        self._ready: dict[int, tuple[AbstractIncomingMessage, float]] = {}
-        self._settled: set[int] = set()
-
-    @property
-    def pending(self) -> bool:
-        return bool(self._ready)
-
-    def abandon(self) -> None:
-        """The channel is gone: its deliveries cannot be acked (the broker redelivers them)."""
-        self._ready.clear()
-
-    def ready(self, message: AbstractIncomingMessage) -> None:
-        """``message`` may be acked now (its work committed, its publishes were confirmed)."""
-        assert message.delivery_tag is not None
-        self._ready[message.delivery_tag] = (message, time.monotonic())
-
-    def settled(self, tag: int | None) -> None:
-        """The delivery ``tag`` was acked or handed back on its own (after the frame went out:
-        a multiple ack must never cover a tag that is about to be nacked)."""
-        if tag is not None and tag > self.floor:
-            self._settled.add(tag)
-
-    async def flush(self) -> float | None:
-        """Ack what may be acked now. Returns the seconds until a ready delivery waiting above
-        a gap is due to be acked on its own, or None when none is left."""
-        top, last = self.floor, None
-        while True:
-            tag = top + 1
-            if tag in self._ready:
-                last = tag
-            elif tag not in self._settled:
-                break
-            top = tag
-        if top > self.floor:
-            # bookkeeping before the frame: a failed ack is not sent again (its channel is
-            # gone, and the broker redelivers what it had not acked)
-            self.floor = top
-            self._settled = {t for t in self._settled if t > top}
-            covered = [t for t in self._ready if t <= top]
-            message = self._ready[last][0] if last is not None else None
-            for t in covered:
-                del self._ready[t]
-            if message is not None:
-                await message.ack(multiple=True)
-        now = time.monotonic()
-        due: float | None = None
-        for tag, (message, since) in list(self._ready.items()):
-            left = self.linger - (now - since)
-            if left > 0:
-                due = left if due is None else min(due, left)
-                continue
-            del self._ready[tag]
-            await message.ack()
-            self.settled(tag)
-        return due
 
 
 def outgoing_message(message: OutgoingMessage) -> aio_pika.Message:
@@ -439,6 +377,13 @@ class RabbitRunner:
         self.declare = declare
         self.queue_arguments = QUORUM if queue_arguments is None else queue_arguments
         self.max_deliveries = max_deliveries
+        check_arguments(self.queue_arguments, max_deliveries, queue)
+        #: counted in Postgres for a consumer with keys; the broker's count otherwise
+        self._budget = (
+            DeliveryBudget(consumer, max_deliveries)
+            if isinstance(consumer, IdempotentConsumer)
+            else None
+        )
         self.drain_timeout = drain_timeout
         #: how long a waiting delivery stays in hand before it is handed back as a copy (keep it
         #: under RabbitMQ's ``consumer_timeout``, 30 minutes by default)
@@ -511,8 +456,12 @@ class RabbitRunner:
         if self.declare:
             for name in (self.dead_letter_queue, self.reconcile_queue):
                 await channel.declare_queue(name, durable=True, arguments=self.queue_arguments)
-            self._queue = await channel.declare_queue(
-                self.queue_name, durable=True, arguments=self.queue_arguments
+            self._queue = await declare_consumed(
+                self._connection,
+                channel,
+                self.queue_name,
+                self.queue_arguments,
+                self.max_deliveries,
             )
         else:
             self._queue = await channel.declare_queue(self.queue_name, passive=True)
@@ -609,7 +558,7 @@ class RabbitRunner:
                 await settle.settle(self, message, verdict)
                 del unsettled[message]
                 continue
-            if spent or message.redelivered:
+            if redelivered_before(message):
                 # delivered before and never settled: maybe what killed the last consumer
                 del unsettled[message]
                 self._spawn(self._handle(message))
@@ -622,7 +571,8 @@ class RabbitRunner:
             # must not hand its changes to the next attempt
             if not views:
                 views = [to_message(m) for m in fresh]
-            verdicts = await self.consumer.process_batch(views)
+            run = functools.partial(self.consumer.process_batch, views)
+            verdicts = await (run if self._budget is None else self._budget.fresh(run))()
             views = []
             done = 0
             for message, verdict in zip(fresh, verdicts, strict=False):
@@ -748,15 +698,22 @@ class RabbitRunner:
             return Verdict(Action.DEAD_LETTER, self.consumer.scope, reason="max_deliveries")
         # a fresh view per attempt: a handler that changed the parsed body in place must not
         # hand its changes to the next attempt
+        process = lambda: self.consumer.process(to_message(message))  # noqa: E731
+        if self._budget is not None:  # a suspect runs alone, a first delivery beside others
+            suspect = self._budget.suspect(lambda: to_message(message))
+            process = suspect if redelivered_before(message) else self._budget.fresh(process)
         return await settle.process_holding(
-            lambda: self.consumer.process(to_message(message)),
+            process,
             stats=self.stats,
             stopping=self._stopping.is_set,
             max_hold=self.max_hold,
         )
 
     def _over_budget(self, spent: int | None) -> bool:
-        """Delivered ``max_deliveries`` times: dead-lettered without running again."""
+        """Delivered ``max_deliveries`` times by the broker's count, for a processor with no
+        budget in Postgres (the reconciler): dead-lettered without running again."""
+        if self._budget is not None:
+            return False
         limit = self.max_deliveries
         return limit is not None and spent is not None and spent >= limit
 
@@ -791,6 +748,9 @@ class RabbitRunner:
             self._flusher = self._spawn(self._flush_acks())
 
     async def retry_later(self, message: AbstractIncomingMessage, verdict: Verdict) -> None:
+        counted_ahead = redelivered_before(message)  # a suspect counted itself ahead
+        if self._budget is not None and not settle.is_wait(verdict) and not counted_ahead:
+            await self._budget.failed(verdict)
         if settle.is_wait(verdict) and not self.stopping():
             # held for max_hold already: hand it back without spending the delivery budget
             copy = handed_back_copy(message, spent_deliveries(to_message(message)))

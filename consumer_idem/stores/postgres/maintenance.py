@@ -26,6 +26,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from consumer_idem.stores.base import seconds
+from consumer_idem.stores.postgres.attempts import DeliveryAttempts
 from consumer_idem.types import Status
 
 if TYPE_CHECKING:
@@ -53,6 +54,9 @@ class PruneReport:
 
     policy: PrunePolicy = PrunePolicy.DELETE
     rows: int = 0  #: deleted or soft-expired
+    #: delivery attempt counts deleted (``delivery_attempts``): of the keys pruned, and those
+    #: not counted for longer than their scope's retention
+    attempts: int = 0
     batches: int = 0  #: statements run
     longest_statement_s: float = 0.0  #: the longest single batch statement (its lock time)
     #: False when ``max_batches`` stopped it with rows possibly left to prune
@@ -306,10 +310,15 @@ class Maintenance:
         keys, no_keys = (
             (", array_agg(key) AS keys", ", NULL") if store.cache is not None else ("", "")
         )
+        # The attempts counted for a pruned key go with its record (``att``): the key is new
+        # work now, with a budget of its own.
+        counts = DeliveryAttempts(store)
         summary = (
-            f"SELECT scope, count(*) AS n, max(expires_at) AS last{keys}, NULL::timestamptz AS at"
-            f" FROM done GROUP BY scope UNION ALL SELECT NULL, count(*), max(expires_at){no_keys},"
-            " now() FROM d"
+            f", att AS ({counts.forget_pruned('done')})"
+            f" SELECT scope, count(*) AS n, max(expires_at) AS last{keys}, NULL::timestamptz AS at,"
+            " NULL::bigint AS attempts FROM done GROUP BY scope"
+            f" UNION ALL SELECT NULL, count(*), max(expires_at){no_keys}, now(),"
+            " (SELECT count(*) FROM att) FROM d"
         )
         # The batch's rows are found again by their physical address (table and ctid), not
         # their key: they are locked (FOR UPDATE) since they were picked, so it cannot move,
@@ -324,7 +333,7 @@ class Maintenance:
                 f"WITH d AS MATERIALIZED (SELECT tableoid AS rel, ctid AS tid, expires_at {due}),"
                 f" done AS (DELETE FROM {store.table} t USING d WHERE {at}"
                 " RETURNING t.scope, t.key, t.expires_at)"
-                f" {summary}"
+                f"{summary}"
             )
             args: tuple[Any, ...] = (batch_size,)
         else:
@@ -337,7 +346,7 @@ class Maintenance:
                 f" expires_at = now() + $4::interval FROM d WHERE {at}"
                 " AND d.status <> 'expired' RETURNING t.scope, t.key, d.expires_at),"
                 " done AS (SELECT * FROM gone UNION ALL SELECT * FROM soft)"
-                f" {summary}"
+                f"{summary}"
             )
             args = (batch_size, audit_s)
         report = PruneReport(policy=policy)
@@ -358,8 +367,8 @@ class Maintenance:
             scopes = [r for r in rows if r["scope"] is not None]
             # the batch's own row: what it picked, the last expiry among those (None: none) and
             # its now(), the cutoff of every later batch
-            picked, last, at = next(
-                (r["n"], r["last"], r["at"]) for r in rows if r["scope"] is None
+            picked, last, at, forgotten = next(
+                (r["n"], r["last"], r["at"], r["attempts"]) for r in rows if r["scope"] is None
             )
             began_at = began_at or at
             pruned = sum(r["n"] for r in scopes)
@@ -374,6 +383,7 @@ class Maintenance:
             report = replace(
                 report,
                 rows=report.rows + pruned,
+                attempts=report.attempts + forgotten,
                 batches=report.batches + 1,
                 longest_statement_s=max(report.longest_statement_s, elapsed),
                 # a full last batch under max_batches: there may be more
@@ -387,6 +397,50 @@ class Maintenance:
                 # a batch earns its rows' time from when it started (or was due, if later):
                 # a slow stretch earns no credit to be spent in a burst afterwards
                 next_at = max(next_at, started) + picked / pace
+        if report.finished and not stop.is_set():
+            report = await self._prune_attempts(
+                report, batch_size, max_batches, pace, stop, on_batch
+            )
+        return report
+
+    async def _prune_attempts(
+        self,
+        report: PruneReport,
+        batch_size: int,
+        max_batches: int | None,
+        pace: float,
+        stop: asyncio.Event,
+        on_batch: Callable[[PruneReport], None] | None,
+    ) -> PruneReport:
+        """After the records: the delivery attempts not counted for longer than their scope's
+        retention (keys dead-lettered, or whose record never committed), in batches under the
+        same bounds and pace."""
+        counts = DeliveryAttempts(self.store)
+        scopes = await counts.scopes()
+        if not scopes:  # none counted: no batch to run
+            return report
+        next_at = 0.0
+        while max_batches is None or report.batches < max_batches:
+            if next_at and not await _wait_until(next_at, stop):
+                return replace(report, finished=False)
+            started = time.perf_counter()
+            picked, deleted = await counts.prune_old(batch_size, scopes)
+            elapsed = time.perf_counter() - started
+            report = replace(
+                report,
+                attempts=report.attempts + deleted,
+                batches=report.batches + 1,
+                longest_statement_s=max(report.longest_statement_s, elapsed),
+                finished=picked < batch_size,
+            )
+            if on_batch is not None:
+                on_batch(report)
+            if picked < batch_size or stop.is_set():
+                break
+            if pace:
+                next_at = max(next_at, started) + picked / pace
+        else:
+            report = replace(report, finished=False)  # max_batches, with rows possibly left
         return report
 
     async def count_expired_leases(self) -> int:

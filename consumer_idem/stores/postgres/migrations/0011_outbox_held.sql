@@ -1,4 +1,4 @@
--- consumer-idem store, version 10: the relay finds a destination that is backing off by an
+-- consumer-idem store, version 11: the relay finds a destination that is backing off by an
 -- index lookup.
 --
 -- A destination is held while one of its messages waits out the backoff of a failed send: the

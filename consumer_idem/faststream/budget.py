@@ -1,0 +1,87 @@
+"""Delivery budgets (``max_deliveries``) of FastStream's RabbitMQ subscribers.
+
+The same rule as :class:`~consumer_idem.transports.rabbit.RabbitRunner`'s
+(:mod:`consumer_idem.transports.delivery_budget`): the broker's ``x-delivery-count`` only says
+which deliveries were delivered before. Those run alone in the process (first deliveries
+wait, :mod:`consumer_idem.transports.run_gate`), each counting one attempt of
+its key in Postgres right before its handler; a first delivery counts when its handler fails.
+At ``max_deliveries`` attempts the key's record is read first: a completed key is replayed and
+acked, never dead-lettered, and a store outage is waited out. So deliveries returned by a
+consumer that died without running them (a poison beside them) spend nothing, and an effect
+that committed but whose ack kept being lost is not dead-lettered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from consumer_idem.consumer import Verdict
+from consumer_idem.errors import ConfigurationError, IdempotencyConfigError
+from consumer_idem.message import ConsumerMessage
+from consumer_idem.transports import settle
+from consumer_idem.transports.delivery_budget import DeliveryBudget, Execute
+
+if TYPE_CHECKING:
+    from faststream import StreamMessage
+
+    from consumer_idem.faststream import Idempotency
+
+
+def _delivered_before(message: StreamMessage[Any]) -> bool:
+    from consumer_idem.transports.rabbit import redelivered_before
+
+    return redelivered_before(message.raw_message)
+
+
+class RabbitBudget:
+    """The delivery budget of one :class:`~consumer_idem.faststream.Idempotency` on a
+    ``RabbitBroker`` (its scope's keys)."""
+
+    def __init__(self, idem: Idempotency) -> None:
+        self.idem = idem
+        self._budget: DeliveryBudget | None = None
+
+    @property
+    def budget(self) -> DeliveryBudget:
+        # built on first use: the consumer itself may be (a store opened on startup)
+        if self._budget is None:
+            self._budget = DeliveryBudget(self.idem.consumer, self.idem.max_deliveries)
+        return self._budget
+
+    def check_queue(self, subscriber: Any) -> None:
+        """Refuse a subscriber whose queue is declared with an ``x-delivery-limit`` below the
+        budget (the broker would drop, or dead-letter elsewhere, a message the budget still
+        means to deliver), as ``RabbitRunner`` refuses such queue arguments."""
+        from consumer_idem.transports.rabbit_limits import check_arguments
+
+        queue = getattr(subscriber, "queue", None)
+        arguments = getattr(queue, "arguments", None)
+        if not isinstance(arguments, dict):
+            return
+        try:
+            check_arguments(arguments, self.idem.max_deliveries, str(getattr(queue, "name", "")))
+        except ConfigurationError as exc:
+            raise IdempotencyConfigError(str(exc)) from exc
+
+    def processing(
+        self,
+        message: StreamMessage[Any],
+        view: Callable[[], ConsumerMessage],
+        execute: Execute,
+        fresh: Callable[[], Awaitable[Verdict]],
+    ) -> Callable[[], Awaitable[Verdict]]:
+        """How ``message`` is processed: a first delivery by ``fresh``, beside others but never
+        beside a suspect; a delivery the broker delivered before runs counted, alone in its
+        process (``view`` gives a fresh view of it per try, ``execute`` runs it once counted)."""
+        if not _delivered_before(message):
+            return self.budget.fresh(fresh)
+        return self.budget.suspect(view, execute)
+
+    async def failed(self, message: StreamMessage[Any], verdict: Verdict) -> None:
+        """A delivery is handed back for a retry: a first delivery's failed run counts now (a
+        redelivered one counted itself ahead; a wait for the store or another owner is no
+        run)."""
+        if settle.is_wait(verdict) or _delivered_before(message):
+            return
+        await self.budget.failed(verdict)

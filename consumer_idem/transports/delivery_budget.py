@@ -1,0 +1,126 @@
+"""Delivery budgets that count the attempts of a key's own work (``max_deliveries``).
+
+A broker's redelivery counter (``x-delivery-count``, ``redelivered``) counts every return of
+a message. A consumer killed by one poison message returns every unacked delivery of its
+channel, and the broker counts them all: its window-mates would be dead-lettered for the
+poison's crashes without ever having run. An effect that committed but whose ack kept being
+lost would be dead-lettered too, and a later replay of the dead letter would run it again.
+So the broker's counter is only a hint here:
+
+* A delivery the broker has not delivered before runs as usual, without a write of its own;
+  if its handler fails, that attempt is counted then.
+* A delivery it has delivered before (it may be what killed the last consumer) is a suspect.
+  Suspects run alone: no other handler of the process runs beside one, first deliveries
+  included (:mod:`~consumer_idem.transports.run_gate`), and each counts one attempt of its key
+  in Postgres (:class:`~consumer_idem.stores.postgres.attempts.DeliveryAttempts`), committed on
+  its own right before the claim and the handler: a crash in the handler is counted against the
+  key that was running alone, never against the deliveries waiting their turn, nor for a fresh
+  poison that would have run beside it. (A first delivery that kills the process is not
+  counted: a poison runs at most ``max_deliveries + 1`` times.)
+* With ``max_deliveries`` attempts counted, the key's record is read first. A key that completed,
+  is in flight elsewhere or is parked ``unknown`` goes through the claim engine, which replays
+  it, waits, or leaves it to reconciliation, and never runs the handler; only a key with no
+  record (or one proven not executed, or expired) is dead-lettered, reason
+  ``max_deliveries``.
+* A store outage while counting or reading is a wait (the delivery is held and tried again):
+  it never spends the budget and never dead-letters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from consumer_idem.backoff import Backoff
+from consumer_idem.consumer import Action, IdempotentConsumer, Verdict
+from consumer_idem.errors import ConsumerIdemError, StoreUnavailable
+from consumer_idem.message import ConsumerMessage
+from consumer_idem.stores.postgres.attempts import DeliveryAttempts
+from consumer_idem.transports.run_gate import process_gate
+
+V = TypeVar("V")
+
+#: runs a prepared delivery (its message, key and fingerprint) through the claim engine
+Execute = Callable[[ConsumerMessage, str, str], Awaitable[Verdict]]
+
+#: record states whose key the claim engine settles without running the handler
+SETTLED_ELSEWHERE = frozenset({"completed", "in_progress", "unknown"})
+
+
+class DeliveryBudget:
+    """``max_deliveries`` (None: no limit) attempts of each key of ``consumer``."""
+
+    def __init__(self, consumer: IdempotentConsumer, max_deliveries: int | None) -> None:
+        self.consumer = consumer
+        self.limit = max_deliveries
+        self.attempts = DeliveryAttempts(consumer.store)
+        self._outage = Backoff(consumer.backoff_base, consumer.backoff_max)
+        self._outages = 0
+
+    def suspect(
+        self, view: Callable[[], ConsumerMessage], execute: Execute | None = None
+    ) -> Callable[[], Awaitable[Verdict]]:
+        """One redelivered delivery's processing, for
+        :func:`~consumer_idem.transports.settle.process_holding` (``view`` gives a fresh view of
+        it per try: a handler that changed a parsed body must not hand its change on). However
+        often it is tried again while held in hand, the delivery counts one attempt.
+        ``execute``: how the counted delivery runs (default: the consumer's ``execute``; an
+        integration that hands the handler more than the message wraps it)."""
+        counted: list[int] = []
+        run = execute if execute is not None else self.consumer.execute
+
+        async def attempt() -> Verdict:
+            consumer = self.consumer
+            message = view()
+            prepared = consumer.prepare(message)
+            if isinstance(prepared, Verdict):
+                return prepared  # no key: dead-lettered with its reason, as when fresh
+            key, fingerprint = prepared
+            async with process_gate().alone():  # a crash is then the running one's
+                try:
+                    if not counted:  # once per delivery, however often it is tried again
+                        n = await self.attempts.count(consumer.scope, key, self.limit)
+                        if n is None and not await self._settled_elsewhere(key):
+                            return Verdict(
+                                Action.DEAD_LETTER, consumer.scope, key, reason="max_deliveries"
+                            )
+                        counted.append(n or 0)
+                except StoreUnavailable:
+                    self._outages += 1
+                    return Verdict(
+                        Action.RETRY,
+                        consumer.scope,
+                        key,
+                        reason="store_unavailable",
+                        retry_after=self._outage.delay(self._outages),
+                    )
+                self._outages = 0
+                return await run(message, key, fingerprint)
+
+        return attempt
+
+    def fresh(self, process: Callable[[], Awaitable[V]]) -> Callable[[], Awaitable[V]]:
+        """A first delivery's (or batch's) processing, ``process``, held back while a suspect
+        runs alone (in-process only: no round trip)."""
+
+        async def attempt() -> V:
+            async with process_gate().shared():
+                return await process()
+
+        return attempt
+
+    async def failed(self, verdict: Verdict) -> None:
+        """A first delivery's handler failed (``verdict``: its retry): one attempt of its key,
+        counted now that it is known to have run (a first delivery is not counted ahead: that
+        would cost a write per message). Uncounted when the store does not answer: the next
+        delivery counts itself."""
+        if verdict.key is not None:
+            with contextlib.suppress(ConsumerIdemError):
+                await self.attempts.count(verdict.scope, verdict.key)
+
+    async def _settled_elsewhere(self, key: str) -> bool:
+        """Whether ``key``'s record says its work is done, running or parked (the claim engine
+        then replays, waits or leaves it to reconciliation, and never runs the handler)."""
+        record = await self.consumer.store.get(self.consumer.scope, key)
+        return record is not None and record.status in SETTLED_ELSEWHERE
