@@ -34,6 +34,7 @@ from consumer_idem.stores.postgres.errors import (
     kind_of,
     wrong_node,
 )
+from tests._wraparound import end_episode, takes_writes, until_writable, wrapped_cluster
 
 FP = fingerprint_json({"n": 1})
 
@@ -205,3 +206,46 @@ async def test_two_phase_local_writes_wait_out_a_read_only_server_and_park_their
 
     outcome = await run_two_phase(store, scope, "bug", FP, charge, local_writes=buggy)
     assert outcome.kind is OutcomeKind.UNKNOWN and outcome.parked_now
+
+
+async def test_a_server_refusing_every_write_for_xid_wraparound_is_waited_out() -> None:
+    """SQLSTATE 54000 is the class of "this key's index row is too big" and also of the
+    server's XID wraparound protection, which refuses every write until vacuum catches up:
+    before blaming the message, the store asks the server for a write that carries no message
+    data, so the delivery waits (never dead-lettered) and goes through once writes are taken."""
+
+    async def prepare(dsn: str) -> None:
+        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+        try:
+            await PostgresStore(pool).migrate()
+            await pool.execute("CREATE TABLE booked (key text PRIMARY KEY)")
+        finally:
+            await pool.close()
+
+    async with wrapped_cluster(prepare) as cluster:
+        pool = await asyncpg.create_pool(cluster.dsn, min_size=1, max_size=2)
+        try:
+            store = PostgresStore(pool)
+
+            @idempotent_consumer(store, scope="wrap", max_attempts=1, backoff=(0.01, 0.05))
+            async def book(message: ConsumerMessage, c: asyncpg.Connection) -> None:
+                await c.execute("INSERT INTO booked VALUES ($1)", json.loads(message.body)["k"])
+
+            assert not await takes_writes(cluster.dsn)  # the episode is on
+            verdicts = [await book.process(msg(f"k{i}", {"k": f"k{i}"})) for i in range(3)]
+            assert [v.action for v in verdicts] == [Action.RETRY] * 3, verdicts
+            assert {v.reason for v in verdicts} == {"store_unavailable"}
+            with pytest.raises(StoreUnavailable, match="VACUUM"):
+                await store.run("claim", "wrap", None, lambda c: c.execute("SELECT 1 / 0"))
+
+            await end_episode(cluster)
+            await until_writable(cluster.dsn)
+            for i in range(3):
+                verdict = await book.process(msg(f"k{i}", {"k": f"k{i}"}))
+                assert verdict.action is Action.ACK, verdict
+            assert await pool.fetchval("SELECT count(*) FROM booked") == 3
+            # a server that takes writes: a refusal of the data is the data's again
+            with pytest.raises(StoreRejected):
+                await store.run("claim", "wrap", None, lambda c: c.execute("SELECT 1 / 0"))
+        finally:
+            await pool.close()
