@@ -15,7 +15,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
+import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from consumer_idem import (
     Action,
@@ -28,6 +33,7 @@ from consumer_idem import (
     run_two_phase,
 )
 from consumer_idem.errors import SchemaMissing, StoreRejected, StoreUnavailable
+from consumer_idem.http import IdempotencyMiddleware, idempotent
 from consumer_idem.stores.postgres.errors import (
     describe,
     is_database_outage,
@@ -249,3 +255,43 @@ async def test_a_server_refusing_every_write_for_xid_wraparound_is_waited_out() 
                 await store.run("claim", "wrap", None, lambda c: c.execute("SELECT 1 / 0"))
         finally:
             await pool.close()
+
+
+async def test_an_http_endpoint_on_a_read_only_database_answers_503_and_says_it_once(
+    own_database: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The HTTP middleware meets a read-only episode as the consumer does: every request is
+    503 (nothing recorded, nothing run) and the log says so once for the episode, not once
+    per request."""
+    admin = await asyncpg.connect(own_database)
+    pool = await asyncpg.create_pool(own_database, min_size=1, max_size=4)
+    runs: list[str] = []
+    try:
+        store = PostgresStore(pool)
+        await store.migrate()
+
+        async def create(request: Request) -> Any:
+            runs.append(request.state.idempotency.key)
+            return JSONResponse({"ok": True}, status_code=201)
+
+        app = Starlette(routes=[Route("/things", idempotent()(create), methods=["POST"])])
+        app.add_middleware(IdempotencyMiddleware, store=store, shared_keys=True)
+        database = (await admin.fetchval("SELECT current_database()")).replace('"', '""')
+        await admin.execute(f'ALTER DATABASE "{database}" SET default_transaction_read_only = on')
+        await pool.expire_connections()
+        caplog.set_level(logging.DEBUG, logger="consumer_idem")
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            codes = [
+                (
+                    await client.post("/things", json={}, headers={"Idempotency-Key": f"k{i}"})
+                ).status_code
+                for i in range(6)
+            ]
+        assert codes == [503] * 6 and runs == []
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(said) == 1, said
+        assert "cannot take writes" in said[0]
+    finally:
+        await pool.close()
+        await admin.close()
