@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from typing import Any
 
 import asyncpg
@@ -23,6 +24,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from consumer_idem import (
+    MAX_RETENTION,
     Action,
     Attempt,
     ConsumerMessage,
@@ -32,7 +34,12 @@ from consumer_idem import (
     idempotent_consumer,
     run_two_phase,
 )
-from consumer_idem.errors import SchemaMissing, StoreRejected, StoreUnavailable
+from consumer_idem.errors import (
+    ConfigurationError,
+    SchemaMissing,
+    StoreRejected,
+    StoreUnavailable,
+)
 from consumer_idem.http import IdempotencyMiddleware, idempotent
 from consumer_idem.stores.postgres.errors import (
     describe,
@@ -295,3 +302,32 @@ async def test_an_http_endpoint_on_a_read_only_database_answers_503_and_says_it_
     finally:
         await pool.close()
         await admin.close()
+
+
+async def test_a_retention_no_expiry_can_be_dated_for_is_refused_at_set_up_not_each_message(
+    store: PostgresStore, scope: str
+) -> None:
+    """``timedelta.max`` ("keep for ever") made every claim fail with "timestamp out of range",
+    a data exception: each message was dead-lettered for a setting. It is refused where it is
+    set; :data:`MAX_RETENTION` keeps records for ever and every message goes through."""
+    with pytest.raises(ConfigurationError, match="MAX_RETENTION"):
+        PostgresStore(store.pool, retention=timedelta.max)
+    with pytest.raises(ConfigurationError, match="MAX_RETENTION"):
+        idempotent_consumer(store, scope=scope, retention=timedelta.max)
+    # a policy is asked per scope: its answer is checked where it is used, never blamed on data
+    policed = PostgresStore(store.pool, retention=lambda scope: timedelta.max)
+    with pytest.raises(ConfigurationError, match="MAX_RETENTION"):
+        policed.retention_for(scope)
+
+    @idempotent_consumer(store, scope=scope, retention=MAX_RETENTION)
+    async def book(message: ConsumerMessage, c: asyncpg.Connection) -> None:
+        return None
+
+    verdict = await book.process(msg("forever", {"n": 1}))
+    assert verdict.action is Action.ACK, verdict
+    years = await store.pool.fetchval(
+        f"SELECT extract(year FROM expires_at) - extract(year FROM now()) FROM {store.table}"
+        " WHERE scope = $1 AND key = 'forever'",
+        scope,
+    )
+    assert years >= 9_999
