@@ -314,6 +314,11 @@ async def test_a_retention_no_expiry_can_be_dated_for_is_refused_at_set_up_not_e
         PostgresStore(store.pool, retention=timedelta.max)
     with pytest.raises(ConfigurationError, match="MAX_RETENTION"):
         idempotent_consumer(store, scope=scope, retention=timedelta.max)
+    # a lease dates a record the same way (its locked_until)
+    with pytest.raises(ConfigurationError, match=r"lease=.*MAX_RETENTION"):
+        PostgresStore(store.pool, lease=timedelta.max)
+    with pytest.raises(ConfigurationError, match=r"lease=.*MAX_RETENTION"):
+        idempotent_consumer(store, scope=scope, mode="two_phase", lease=timedelta.max)
     # a policy is asked per scope: its answer is checked where it is used, never blamed on data
     policed = PostgresStore(store.pool, retention=lambda scope: timedelta.max)
     with pytest.raises(ConfigurationError, match="MAX_RETENTION"):

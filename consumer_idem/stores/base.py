@@ -40,23 +40,23 @@ def seconds(value: timedelta | float) -> timedelta:
     return value if isinstance(value, timedelta) else timedelta(seconds=value)
 
 
-#: the longest retention: an expiry PostgreSQL cannot date (past the year 294276) fails every
-#: claim with "timestamp out of range", a data exception, so a longer one is refused at set-up
-#: rather than taken for bad data in each message
+#: the longest retention (and lease): an expiry PostgreSQL cannot date (past the year 294276)
+#: fails every claim with "timestamp out of range", a data exception, so a longer one is
+#: refused at set-up rather than taken for bad data in each message
 MAX_RETENTION = timedelta(days=3_652_425)  # 10,000 years: "for ever" for any record
 
 
-def checked_retention(value: timedelta | float) -> timedelta:
-    """``value`` as a duration, or a :class:`ConfigurationError` when no record could be dated
-    that far ahead (``timedelta.max`` meaning "for ever", say)."""
-    retention = seconds(value)
-    if retention > MAX_RETENTION:
+def checked_duration(value: timedelta | float, name: str = "retention") -> timedelta:
+    """``value`` (a retention or a lease) as a duration, or a :class:`ConfigurationError` when
+    no record could be dated that far ahead (``timedelta.max`` meaning "for ever", say)."""
+    duration = seconds(value)
+    if duration > MAX_RETENTION:
         raise ConfigurationError(
-            f"retention={value!r} is longer than PostgreSQL can date a record's expiry: every "
-            f"claim would fail. Keep records for ever with retention=consumer_idem.MAX_RETENTION "
+            f"{name}={value!r} is longer than PostgreSQL can date a record's expiry: every "
+            f"claim would fail. For ever is {name}=consumer_idem.MAX_RETENTION "
             f"({MAX_RETENTION.days} days)"
         )
-    return retention
+    return duration
 
 
 def default_retention(scope: str) -> timedelta:
@@ -133,20 +133,20 @@ class StoreBase:
         metrics: Metrics | None,
         hash_invalid_keys: bool,
     ) -> None:
-        self.lease = seconds(lease)
+        self.lease = checked_duration(lease, "lease")
         if retention is None:
             self._retention: Callable[[str], timedelta] = default_retention
         elif callable(retention):
             self._retention = retention
         else:
-            fixed = checked_retention(retention)
+            fixed = checked_duration(retention)
             self._retention = lambda scope: fixed
         self.metrics = metrics or Metrics()
         self.hash_invalid_keys = hash_invalid_keys
 
     def retention_for(self, scope: str, override: timedelta | float | None = None) -> timedelta:
         """How long a record of ``scope`` is kept after it was last written."""
-        return checked_retention(self._retention(scope) if override is None else override)
+        return checked_duration(self._retention(scope) if override is None else override)
 
     def check(self, scope: str, key: str | bytes) -> tuple[str, str]:
         """Validate scope and key (raises InvalidKey); returns them as stored."""

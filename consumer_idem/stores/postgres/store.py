@@ -27,7 +27,12 @@ from consumer_idem.errors import (
     StoreUnavailable,
 )
 from consumer_idem.metrics import Metrics
-from consumer_idem.stores.base import DEFAULT_LEASE, Retention, StoreBase, seconds
+from consumer_idem.stores.base import (
+    DEFAULT_LEASE,
+    Retention,
+    StoreBase,
+    checked_duration,
+)
 from consumer_idem.stores.cache import CompletedCache
 from consumer_idem.stores.postgres import errors as pg_errors
 from consumer_idem.stores.postgres import migrate
@@ -284,7 +289,7 @@ class PostgresStore(StoreBase):
         if cached is not None:
             return cached
         token = uuid.uuid4()
-        lease_td = self.lease if lease is None else seconds(lease)
+        lease_td = self.lease if lease is None else checked_duration(lease, "lease")
         retention_td = self.retention_for(scope, retention)
 
         async def call(c: Any) -> Any:
