@@ -64,7 +64,7 @@ from consumer_idem.message import ConsumerMessage
 from consumer_idem.metrics import Metrics
 from consumer_idem.options import ConsumerOptions
 from consumer_idem.outbox import OutboxRelay, OutboxService, UnitOutbox, outbox_for
-from consumer_idem.stores.base import Store
+from consumer_idem.stores.base import MAX_RETENTION, Store
 from consumer_idem.stores.cache import CompletedCache
 from consumer_idem.stores.postgres.maintenance import (
     KeyInfo,
@@ -95,6 +95,7 @@ from consumer_idem.types import (
 )
 
 __all__ = [
+    "MAX_RETENTION",
     "Action",
     "Ambiguous",
     "Attempt",

@@ -928,8 +928,11 @@ class IdempotencyMiddleware:
             self._count(method, route, "in_progress")
             await _send(request.send, *_in_progress(1))
             return
-        # the cause goes to the log, never to the client
-        log.warning(
+        # the cause goes to the log, never to the client; once per episode where the store
+        # said it already (a server that cannot take writes: see StoreUnavailable.said)
+        said = isinstance(exc, StoreUnavailable) and exc.said
+        log.log(
+            logging.DEBUG if said else logging.WARNING,
             "idempotency store failed (%s): %s",
             "before the endpoint ran" if not request.ran else "after the endpoint ran",
             exc,

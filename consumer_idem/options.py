@@ -15,6 +15,7 @@ from typing import Literal, TypedDict
 
 from consumer_idem.execution import LocalWrites
 from consumer_idem.key_strategies import KeyStrategy, amqp_message_id, cloudevents, first_of, header
+from consumer_idem.stores.base import checked_duration
 
 Mode = Literal["transactional", "two_phase"]
 Payload = Literal["json", "bytes"]
@@ -70,6 +71,10 @@ class ConsumerOptions:
             )
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, not {self.max_attempts}")
+        if self.retention is not None:
+            checked_duration(self.retention)
+        if self.lease is not None:
+            checked_duration(self.lease, "lease")
         if self.fingerprint_fields is not None:  # a list given by the caller is frozen here
             object.__setattr__(self, "fingerprint_fields", tuple(self.fingerprint_fields) or None)
 

@@ -12,12 +12,19 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from typing import Any
 
 import asyncpg
+import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from consumer_idem import (
+    MAX_RETENTION,
     Action,
     Attempt,
     ConsumerMessage,
@@ -27,13 +34,20 @@ from consumer_idem import (
     idempotent_consumer,
     run_two_phase,
 )
-from consumer_idem.errors import SchemaMissing, StoreRejected, StoreUnavailable
+from consumer_idem.errors import (
+    ConfigurationError,
+    SchemaMissing,
+    StoreRejected,
+    StoreUnavailable,
+)
+from consumer_idem.http import IdempotencyMiddleware, idempotent
 from consumer_idem.stores.postgres.errors import (
     describe,
     is_database_outage,
     kind_of,
     wrong_node,
 )
+from tests._wraparound import end_episode, takes_writes, until_writable, wrapped_cluster
 
 FP = fingerprint_json({"n": 1})
 
@@ -205,3 +219,120 @@ async def test_two_phase_local_writes_wait_out_a_read_only_server_and_park_their
 
     outcome = await run_two_phase(store, scope, "bug", FP, charge, local_writes=buggy)
     assert outcome.kind is OutcomeKind.UNKNOWN and outcome.parked_now
+
+
+async def test_a_server_refusing_every_write_for_xid_wraparound_is_waited_out() -> None:
+    """SQLSTATE 54000 is the class of "this key's index row is too big" and also of the
+    server's XID wraparound protection, which refuses every write until vacuum catches up:
+    before blaming the message, the store asks the server for a write that carries no message
+    data, so the delivery waits (never dead-lettered) and goes through once writes are taken."""
+
+    async def prepare(dsn: str) -> None:
+        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+        try:
+            await PostgresStore(pool).migrate()
+            await pool.execute("CREATE TABLE booked (key text PRIMARY KEY)")
+        finally:
+            await pool.close()
+
+    async with wrapped_cluster(prepare) as cluster:
+        pool = await asyncpg.create_pool(cluster.dsn, min_size=1, max_size=2)
+        try:
+            store = PostgresStore(pool)
+
+            @idempotent_consumer(store, scope="wrap", max_attempts=1, backoff=(0.01, 0.05))
+            async def book(message: ConsumerMessage, c: asyncpg.Connection) -> None:
+                await c.execute("INSERT INTO booked VALUES ($1)", json.loads(message.body)["k"])
+
+            assert not await takes_writes(cluster.dsn)  # the episode is on
+            verdicts = [await book.process(msg(f"k{i}", {"k": f"k{i}"})) for i in range(3)]
+            assert [v.action for v in verdicts] == [Action.RETRY] * 3, verdicts
+            assert {v.reason for v in verdicts} == {"store_unavailable"}
+            with pytest.raises(StoreUnavailable, match="VACUUM"):
+                await store.run("claim", "wrap", None, lambda c: c.execute("SELECT 1 / 0"))
+
+            await end_episode(cluster)
+            await until_writable(cluster.dsn)
+            for i in range(3):
+                verdict = await book.process(msg(f"k{i}", {"k": f"k{i}"}))
+                assert verdict.action is Action.ACK, verdict
+            assert await pool.fetchval("SELECT count(*) FROM booked") == 3
+            # a server that takes writes: a refusal of the data is the data's again
+            with pytest.raises(StoreRejected):
+                await store.run("claim", "wrap", None, lambda c: c.execute("SELECT 1 / 0"))
+        finally:
+            await pool.close()
+
+
+async def test_an_http_endpoint_on_a_read_only_database_answers_503_and_says_it_once(
+    own_database: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The HTTP middleware meets a read-only episode as the consumer does: every request is
+    503 (nothing recorded, nothing run) and the log says so once for the episode, not once
+    per request."""
+    admin = await asyncpg.connect(own_database)
+    pool = await asyncpg.create_pool(own_database, min_size=1, max_size=4)
+    runs: list[str] = []
+    try:
+        store = PostgresStore(pool)
+        await store.migrate()
+
+        async def create(request: Request) -> Any:
+            runs.append(request.state.idempotency.key)
+            return JSONResponse({"ok": True}, status_code=201)
+
+        app = Starlette(routes=[Route("/things", idempotent()(create), methods=["POST"])])
+        app.add_middleware(IdempotencyMiddleware, store=store, shared_keys=True)
+        database = (await admin.fetchval("SELECT current_database()")).replace('"', '""')
+        await admin.execute(f'ALTER DATABASE "{database}" SET default_transaction_read_only = on')
+        await pool.expire_connections()
+        caplog.set_level(logging.DEBUG, logger="consumer_idem")
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            codes = [
+                (
+                    await client.post("/things", json={}, headers={"Idempotency-Key": f"k{i}"})
+                ).status_code
+                for i in range(6)
+            ]
+        assert codes == [503] * 6 and runs == []
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(said) == 1, said
+        assert "cannot take writes" in said[0]
+    finally:
+        await pool.close()
+        await admin.close()
+
+
+async def test_a_retention_no_expiry_can_be_dated_for_is_refused_at_set_up_not_each_message(
+    store: PostgresStore, scope: str
+) -> None:
+    """``timedelta.max`` ("keep for ever") made every claim fail with "timestamp out of range",
+    a data exception: each message was dead-lettered for a setting. It is refused where it is
+    set; :data:`MAX_RETENTION` keeps records for ever and every message goes through."""
+    with pytest.raises(ConfigurationError, match="MAX_RETENTION"):
+        PostgresStore(store.pool, retention=timedelta.max)
+    with pytest.raises(ConfigurationError, match="MAX_RETENTION"):
+        idempotent_consumer(store, scope=scope, retention=timedelta.max)
+    # a lease dates a record the same way (its locked_until)
+    with pytest.raises(ConfigurationError, match=r"lease=.*MAX_RETENTION"):
+        PostgresStore(store.pool, lease=timedelta.max)
+    with pytest.raises(ConfigurationError, match=r"lease=.*MAX_RETENTION"):
+        idempotent_consumer(store, scope=scope, mode="two_phase", lease=timedelta.max)
+    # a policy is asked per scope: its answer is checked where it is used, never blamed on data
+    policed = PostgresStore(store.pool, retention=lambda scope: timedelta.max)
+    with pytest.raises(ConfigurationError, match="MAX_RETENTION"):
+        policed.retention_for(scope)
+
+    @idempotent_consumer(store, scope=scope, retention=MAX_RETENTION)
+    async def book(message: ConsumerMessage, c: asyncpg.Connection) -> None:
+        return None
+
+    verdict = await book.process(msg("forever", {"n": 1}))
+    assert verdict.action is Action.ACK, verdict
+    years = await store.pool.fetchval(
+        f"SELECT extract(year FROM expires_at) - extract(year FROM now()) FROM {store.table}"
+        " WHERE scope = $1 AND key = 'forever'",
+        scope,
+    )
+    assert years >= 9_999

@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any, Protocol
 from uuid import UUID
 
+from consumer_idem.errors import ConfigurationError
 from consumer_idem.keys import normalize_key, validate_scope
 from consumer_idem.metrics import Metrics
 from consumer_idem.types import Decision, DecisionKind, Record, Resolution, ResultKind
@@ -37,6 +38,25 @@ _DECISION_COUNTER = {
 def seconds(value: timedelta | float) -> timedelta:
     """Durations are accepted as ``timedelta`` or seconds."""
     return value if isinstance(value, timedelta) else timedelta(seconds=value)
+
+
+#: the longest retention (and lease): an expiry PostgreSQL cannot date (past the year 294276)
+#: fails every claim with "timestamp out of range", a data exception, so a longer one is
+#: refused at set-up rather than taken for bad data in each message
+MAX_RETENTION = timedelta(days=3_652_425)  # 10,000 years: "for ever" for any record
+
+
+def checked_duration(value: timedelta | float, name: str = "retention") -> timedelta:
+    """``value`` (a retention or a lease) as a duration, or a :class:`ConfigurationError` when
+    no record could be dated that far ahead (``timedelta.max`` meaning "for ever", say)."""
+    duration = seconds(value)
+    if duration > MAX_RETENTION:
+        raise ConfigurationError(
+            f"{name}={value!r} is longer than PostgreSQL can date a record's expiry: every "
+            f"claim would fail. For ever is {name}=consumer_idem.MAX_RETENTION "
+            f"({MAX_RETENTION.days} days)"
+        )
+    return duration
 
 
 def default_retention(scope: str) -> timedelta:
@@ -113,20 +133,20 @@ class StoreBase:
         metrics: Metrics | None,
         hash_invalid_keys: bool,
     ) -> None:
-        self.lease = seconds(lease)
+        self.lease = checked_duration(lease, "lease")
         if retention is None:
             self._retention: Callable[[str], timedelta] = default_retention
         elif callable(retention):
             self._retention = retention
         else:
-            fixed = seconds(retention)
+            fixed = checked_duration(retention)
             self._retention = lambda scope: fixed
         self.metrics = metrics or Metrics()
         self.hash_invalid_keys = hash_invalid_keys
 
     def retention_for(self, scope: str, override: timedelta | float | None = None) -> timedelta:
         """How long a record of ``scope`` is kept after it was last written."""
-        return self._retention(scope) if override is None else seconds(override)
+        return checked_duration(self._retention(scope) if override is None else override)
 
     def check(self, scope: str, key: str | bytes) -> tuple[str, str]:
         """Validate scope and key (raises InvalidKey); returns them as stored."""

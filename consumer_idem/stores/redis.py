@@ -24,7 +24,12 @@ from typing import Any, TypeVar
 
 from consumer_idem.errors import KeyHeld, LeaseLost, NotUnknown, StoreUnavailable
 from consumer_idem.metrics import Metrics
-from consumer_idem.stores.base import DEFAULT_LEASE, Retention, StoreBase, seconds
+from consumer_idem.stores.base import (
+    DEFAULT_LEASE,
+    Retention,
+    StoreBase,
+    checked_duration,
+)
 from consumer_idem.stores.redis_commands import Commands
 from consumer_idem.stores.results import encode_result
 from consumer_idem.types import (
@@ -320,7 +325,7 @@ class RedisStore(StoreBase):
         if conn is not None:
             raise TypeError("the Redis store cannot join a database transaction")
         scope, key = self.check(scope, key)
-        lease_ms = _whole_ms(self.lease if lease is None else seconds(lease))
+        lease_ms = _whole_ms(self.lease if lease is None else checked_duration(lease, "lease"))
         ret_ms = _whole_ms(self.retention_for(scope, retention))
         owner = uuid.uuid4()
         out = await self._eval(

@@ -12,6 +12,11 @@ refused" (:class:`StoreRejected`: the delivery is dead-lettered at once):
 * ``54`` program limit exceeded: an index row or a value too big, JSON nested too deep: the
   size or shape of the key or the result.
 
+A class names no culprit for sure: ``54000`` is also the server's XID wraparound protection,
+which refuses every write. So before a refusal of the library's own statement is the data's,
+the store asks the server for a write that carries no message data
+(:meth:`PostgresStore.refuses_any_write`); refused too, it is an outage and waits.
+
 Plus ``25P02`` (in failed SQL transaction), which names an earlier statement of the same
 transaction: the work's own failure, one a handler caught and went on (the claim engine
 counts it against the delivery's attempts; it never comes from a statement on its own).

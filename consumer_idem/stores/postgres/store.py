@@ -25,10 +25,16 @@ from consumer_idem.errors import (
     KeyHeld,
     LeaseLost,
     SchemaMissing,
+    StoreRejected,
     StoreUnavailable,
 )
 from consumer_idem.metrics import Metrics
-from consumer_idem.stores.base import DEFAULT_LEASE, Retention, StoreBase, seconds
+from consumer_idem.stores.base import (
+    DEFAULT_LEASE,
+    Retention,
+    StoreBase,
+    checked_duration,
+)
 from consumer_idem.stores.cache import CompletedCache
 from consumer_idem.stores.postgres import errors as pg_errors
 from consumer_idem.stores.postgres import migrate
@@ -50,6 +56,9 @@ from consumer_idem.types import (
     Status,
     StoredResponse,
 )
+
+#: how long a refusal's check waits for a pooled connection to ask on (seconds)
+_PROBE_ACQUIRE_S = 2.0
 
 log = logging.getLogger("consumer_idem.stores.postgres.store")
 
@@ -203,9 +212,33 @@ class PostgresStore(StoreBase):
         except ConsumerIdemError:
             raise
         except Exception as exc:  # any database failure means: do not proceed
-            raise self.error_for(operation, exc, scope, c) from exc
+            error = self.error_for(operation, exc, scope, c)
+            if isinstance(error, StoreRejected) and await self.refuses_any_write():
+                # the same class also says "the server takes no write at all" (54000: its
+                # XID wraparound protection): then the message is not to blame; wait
+                error = StoreUnavailable(
+                    f"{error}; the database refuses a write that carries no message data "
+                    "too: an outage of the server (XID wraparound protection? run VACUUM), "
+                    "not the message's data"
+                )
+            raise error from exc
         finally:
             self.metrics.observe(operation, time.perf_counter() - started)
+
+    async def refuses_any_write(self) -> bool:
+        """Before the message is blamed for a refusal: does the server refuse a write that
+        carries none of its data (an empty transaction that takes a transaction ID)? Only a
+        refusal by the server says so; no free connection to ask on says nothing."""
+        try:
+            async with self.pool.acquire(timeout=_PROBE_ACQUIRE_S) as probe:
+                await probe.execute(
+                    "BEGIN; SELECT pg_current_xact_id(); ROLLBACK", timeout=self.command_timeout
+                )
+        except asyncpg.PostgresError:
+            return True
+        except Exception:  # no connection to ask on (a full pool): keep the data's verdict
+            log.debug("asking whether the server takes writes failed", exc_info=True)
+        return False
 
     # --- schema --------------------------------------------------------------------------------
 
@@ -260,7 +293,7 @@ class PostgresStore(StoreBase):
         if cached is not None:
             return cached
         token = uuid.uuid4()
-        lease_td = self.lease if lease is None else seconds(lease)
+        lease_td = self.lease if lease is None else checked_duration(lease, "lease")
         retention_td = self.retention_for(scope, retention)
 
         async def call(c: Any) -> Any:
