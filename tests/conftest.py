@@ -6,6 +6,7 @@ A service that does not answer fails the test that needs it, naming the service 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator
@@ -21,6 +22,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from consumer_idem import PostgresStore
 from consumer_idem.cli.settings import Settings, load_settings
+from handlers.payments import ensure_tables
 from tests._failover import (
     PG_PRIMARY_DSN,
     PG_STANDBY_DSN,
@@ -95,6 +97,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
 
 
+@contextlib.asynccontextmanager
+async def fresh_database(settings: Settings, prefix: str) -> AsyncIterator[str]:
+    """A new database of the main server (named ``<prefix>_<random>``), its DSN, dropped after."""
+    try:
+        admin = await asyncpg.connect(settings.pg_dsn, timeout=5)
+    except Exception as exc:
+        service_missing("PostgreSQL", settings.pg_dsn, exc)
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    yield with_database(settings.pg_dsn, name)
+    admin = await asyncpg.connect(settings.pg_dsn, timeout=5)
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
 @pytest.fixture(scope="session")
 def settings() -> Settings:
     return load_settings()
@@ -103,42 +125,16 @@ def settings() -> Settings:
 @pytest.fixture(scope="session")
 async def pg_dsn(settings: Settings) -> AsyncIterator[str]:
     """A fresh database for this test session, dropped at the end."""
-    try:
-        admin = await asyncpg.connect(settings.pg_dsn, timeout=5)
-    except Exception as exc:
-        service_missing("PostgreSQL", settings.pg_dsn, exc)
-    name = f"consumer_idem_test_{uuid.uuid4().hex[:10]}"
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    yield with_database(settings.pg_dsn, name)
-    admin = await asyncpg.connect(settings.pg_dsn, timeout=5)
-    try:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await admin.close()
+    async with fresh_database(settings, "consumer_idem_test") as dsn:
+        yield dsn
 
 
 @pytest.fixture
 async def own_database(settings: Settings) -> AsyncIterator[str]:
     """A database of the main server for one test only (the DSN straight to 5432), for a test
     that changes the database itself (``ALTER DATABASE``) or reaches it through PgBouncer."""
-    try:
-        admin = await asyncpg.connect(settings.pg_dsn, timeout=5)
-    except Exception as exc:
-        service_missing("PostgreSQL", settings.pg_dsn, exc)
-    name = f"consumer_idem_own_{uuid.uuid4().hex[:10]}"
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    yield with_database(settings.pg_dsn, name)
-    admin = await asyncpg.connect(settings.pg_dsn, timeout=5)
-    try:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await admin.close()
+    async with fresh_database(settings, "consumer_idem_own") as dsn:
+        yield dsn
 
 
 @pytest.fixture(scope="session")
@@ -247,6 +243,22 @@ async def amqp_connection(settings: Settings) -> AsyncIterator[aio_pika.abc.Abst
     await conn.close()
 
 
+#: the arguments of the queues the tests declare: quorum queues count deliveries
+QUORUM = {"x-queue-type": "quorum"}
+
+
+async def delete_queues(settings: Settings, *names: str) -> None:
+    """Delete these queues, on a connection of its own: the test's may have died with a broker
+    restart."""
+    connection = await aio_pika.connect(settings.amqp_url)
+    try:
+        channel = await connection.channel()
+        for name in names:
+            await channel.queue_delete(name)
+    finally:
+        await connection.close()
+
+
 @pytest.fixture
 def queue_name() -> str:
     """A unique queue name; tests declare it (auto-delete or delete it themselves)."""
@@ -273,6 +285,12 @@ async def redis_prefix(redis_client: aioredis.Redis) -> AsyncIterator[str]:
     keys = [k async for k in redis_client.scan_iter(match=prefix + "*")]
     if keys:
         await redis_client.delete(*keys)
+
+
+@pytest.fixture(scope="module")
+async def demo_tables(pg_pool: asyncpg.Pool) -> None:
+    """The tables of the example payment handlers (``handlers.payments``)."""
+    await ensure_tables(pg_pool)
 
 
 @pytest.fixture(scope="session")

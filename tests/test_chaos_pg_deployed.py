@@ -240,6 +240,34 @@ async def payments_run(
                         await channel.queue_delete(name)
 
 
+@pytest.fixture
+def payments(
+    settings: Settings,
+    kafka_admin: Any,
+    kafka_topic_factory: Any,
+    amqp_connection: Any,  # RabbitMQ down fails the test here
+    tmp_path: Path,
+) -> Callable[..., contextlib.AbstractAsyncContextManager[Run]]:
+    """``payments(transport, prefix, store_dsn, consumer_dsn=store_dsn)``: a
+    :func:`payments_run` on this test's brokers, its logs in the test's own folder."""
+
+    def run(
+        transport: str, prefix: str, store_dsn: str, consumer_dsn: str | None = None
+    ) -> contextlib.AbstractAsyncContextManager[Run]:
+        return payments_run(
+            transport,
+            prefix,
+            store_dsn,
+            consumer_dsn or store_dsn,
+            settings,
+            kafka_admin,
+            kafka_topic_factory,
+            tmp_path,
+        )
+
+    return run
+
+
 def database_of(dsn: str) -> str:
     return dsn.rsplit("/", 1)[1].split("?", 1)[0]
 
@@ -271,21 +299,9 @@ async def test_a_database_read_only_for_seconds_dead_letters_nothing_and_is_wait
     transport: str,
     settings: Settings,
     own_database: str,
-    kafka_admin: Any,
-    kafka_topic_factory: Any,
-    amqp_connection: Any,  # RabbitMQ down fails the test here
-    tmp_path: Path,
+    payments: Callable[..., contextlib.AbstractAsyncContextManager[Run]],
 ) -> None:
-    async with payments_run(
-        transport,
-        "pgro",
-        own_database,
-        own_database,
-        settings,
-        kafka_admin,
-        kafka_topic_factory,
-        tmp_path,
-    ) as run:
+    async with payments(transport, "pgro", own_database) as run:
         consumer = await run.start()
         await run.wait_booked(0.15, consumer)
         began, ended = await read_only_for(
@@ -308,28 +324,15 @@ async def test_a_database_read_only_for_seconds_dead_letters_nothing_and_is_wait
 @pytest.mark.parametrize("transport", ["kafka", "rabbit"])
 async def test_behind_pgbouncer_in_transaction_mode_a_sigkilled_consumer_restarts_and_loses_nothing(
     transport: str,
-    settings: Settings,
     own_database: str,
     pgbouncer_dsn: str,
-    kafka_admin: Any,
-    kafka_topic_factory: Any,
-    amqp_connection: Any,  # RabbitMQ down fails the test here
-    tmp_path: Path,
+    payments: Callable[..., contextlib.AbstractAsyncContextManager[Run]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     through_pooler = with_database(pgbouncer_dsn, database_of(own_database))
     # what a user sets behind a transaction pooler (the consumer processes inherit it)
     monkeypatch.setenv("CONSUMER_IDEM_PG_POOLER", "transaction")
-    async with payments_run(
-        transport,
-        "pgbnc",
-        own_database,
-        through_pooler,
-        settings,
-        kafka_admin,
-        kafka_topic_factory,
-        tmp_path,
-    ) as run:
+    async with payments(transport, "pgbnc", own_database, through_pooler) as run:
         consumer = await run.start()
         resumes = []
         for share in (0.15, 0.45):
@@ -466,24 +469,11 @@ async def fail_over(
 @pytest.mark.parametrize("transport", ["kafka", "rabbit"])
 async def test_a_fail_over_to_the_promoted_standby_loses_and_doubles_nothing(
     transport: str,
-    settings: Settings,
     failover_pair: FailoverPair,
-    kafka_admin: Any,
-    kafka_topic_factory: Any,
-    amqp_connection: Any,  # RabbitMQ down fails the test here
-    tmp_path: Path,
+    payments: Callable[..., contextlib.AbstractAsyncContextManager[Run]],
 ) -> None:
     """The primary stops at once (a crash), the standby is promoted."""
-    async with payments_run(
-        transport,
-        "pgfo",
-        failover_pair.dsn,
-        failover_pair.dsn,
-        settings,
-        kafka_admin,
-        kafka_topic_factory,
-        tmp_path,
-    ) as run:
+    async with payments(transport, "pgfo", failover_pair.dsn) as run:
         consumer = await run.start()
         resume = await fail_over(
             run, failover_pair, consumer, failover_pair.stop_primary, "stopped"
@@ -497,25 +487,12 @@ async def test_a_fail_over_to_the_promoted_standby_loses_and_doubles_nothing(
 @pytest.mark.parametrize("transport", ["kafka", "rabbit"])
 async def test_a_fail_over_with_the_old_primary_left_up_read_only_loses_and_doubles_nothing(
     transport: str,
-    settings: Settings,
     failover_pair: FailoverPair,
-    kafka_admin: Any,
-    kafka_topic_factory: Any,
-    amqp_connection: Any,  # RabbitMQ down fails the test here
-    tmp_path: Path,
+    payments: Callable[..., contextlib.AbstractAsyncContextManager[Run]],
 ) -> None:
     """The primary is demoted (read-only, every session) but keeps answering, the standby is
     promoted: the consumer's connections to the old primary must give way to the new one."""
-    async with payments_run(
-        transport,
-        "pgfr",
-        failover_pair.dsn,
-        failover_pair.dsn,
-        settings,
-        kafka_admin,
-        kafka_topic_factory,
-        tmp_path,
-    ) as run:
+    async with payments(transport, "pgfr", failover_pair.dsn) as run:
         consumer = await run.start()
         resume = await fail_over(
             run, failover_pair, consumer, failover_pair.demote_primary, "demoted, still up"

@@ -44,7 +44,7 @@ from consumer_idem import PostgresStore
 from consumer_idem.cli.settings import Settings
 from consumer_idem.consumer import DEAD_LETTER_REASON
 from examples.payments_producer import PARTITIONS, plan, send_kafka, send_rabbit
-from handlers.payments import LEDGER_SCOPE, ensure_tables
+from handlers.payments import LEDGER_SCOPE
 from tests._outbox import sent_keys
 from tests._payments import assert_exactly_once, ledger_count, read_topic
 
@@ -69,11 +69,6 @@ DEAD_LETTER_ERROR = "x-dead-letter-error"
 #: what a connection killed under the test's own feet raises (the pool reconnects on next use);
 #: asyncpg's InternalClientError: a query sent between the server's FATAL and the socket's EOF
 DB_GONE = (asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError, OSError)
-
-
-@pytest.fixture(scope="module")
-async def demo_tables(pg_pool: asyncpg.Pool) -> None:
-    await ensure_tables(pg_pool)
 
 
 async def resilient(call: Callable[[], Awaitable[T]], attempts: int = 20) -> T:

@@ -17,7 +17,6 @@ import pytest
 
 from consumer_idem import PostgresStore
 from examples.payments_producer import plan, send_kafka, send_rabbit
-from handlers.payments import ensure_tables
 from tests._payments import assert_exactly_once, ledger_count, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,11 +51,6 @@ async def stop_consumer(proc: asyncio.subprocess.Process) -> dict[str, Any]:
     out, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
     assert proc.returncode == 0
     return dict(json.loads(out.decode().strip().splitlines()[-1]))
-
-
-@pytest.fixture(scope="module")
-async def demo_tables(pg_pool: asyncpg.Pool) -> None:
-    await ensure_tables(pg_pool)
 
 
 @pytest.mark.parametrize("transport", ["kafka", "rabbit"])

@@ -24,7 +24,7 @@ from consumer_idem import (
 from consumer_idem.cli.settings import Settings
 from consumer_idem.transports.kafka import KafkaRunner
 from examples.payments_producer import plan, send_kafka
-from handlers.payments import ensure_tables, record_payment, record_payments
+from handlers.payments import record_payment, record_payments
 from tests._payments import (
     assert_exactly_once,
     ledger_count,
@@ -35,11 +35,6 @@ from tests._payments import (
 )
 
 FAST = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 500}
-
-
-@pytest.fixture(scope="module")
-async def demo_tables(pg_pool: asyncpg.Pool) -> None:
-    await ensure_tables(pg_pool)
 
 
 def ledger_consumer(store: PostgresStore, scope: str, batch: bool = False) -> IdempotentConsumer:

@@ -23,13 +23,9 @@ from consumer_idem import (
 from consumer_idem.cli.settings import Settings
 from consumer_idem.transports.rabbit import RabbitRunner, to_message
 from examples.payments_producer import plan, send_rabbit
-from handlers.payments import ensure_tables, record_payment
+from handlers.payments import record_payment
 from tests._payments import assert_exactly_once, ledger_count, payment, wait_until
-
-
-@pytest.fixture(scope="module")
-async def demo_tables(pg_pool: asyncpg.Pool) -> None:
-    await ensure_tables(pg_pool)
+from tests.conftest import delete_queues
 
 
 @pytest.fixture
@@ -40,14 +36,7 @@ def run_id() -> str:
 @pytest.fixture
 async def queues(settings: Settings, queue_name: str) -> Any:
     yield queue_name
-    # a connection of its own: the test's connection may have died with a broker restart
-    connection = await aio_pika.connect(settings.amqp_url)
-    try:
-        channel = await connection.channel()
-        for name in (queue_name, f"{queue_name}.dlq", f"{queue_name}.reconcile"):
-            await channel.queue_delete(name)
-    finally:
-        await connection.close()
+    await delete_queues(settings, queue_name, f"{queue_name}.dlq", f"{queue_name}.reconcile")
 
 
 def ledger_consumer(store: PostgresStore, scope: str) -> IdempotentConsumer:

@@ -23,14 +23,9 @@ from consumer_idem import (
 )
 from consumer_idem.transports.kafka import KafkaRunner
 from consumer_idem.transports.kafka_offsets import OffsetHook, PostgresOffsets
-from handlers.payments import ensure_tables, record_payment, record_payments
+from handlers.payments import record_payment, record_payments
 from tests._payments import ledger_count, payment, send_raw, wait_until
 from tests.test_consumer_kafka import FAST
-
-
-@pytest.fixture(scope="module")
-async def demo_tables(pg_pool: asyncpg.Pool) -> None:
-    await ensure_tables(pg_pool)
 
 
 @pytest.fixture

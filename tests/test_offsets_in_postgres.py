@@ -30,18 +30,13 @@ from consumer_idem.cli.settings import Settings
 from consumer_idem.transports.kafka import KafkaRunner
 from consumer_idem.transports.kafka_offsets import PostgresOffsets
 from examples.payments_producer import PlannedMessage, plan, send_kafka
-from handlers.payments import ensure_tables, record_payment, record_payments
+from handlers.payments import record_payment, record_payments
 from tests._payments import assert_exactly_once, ledger_count, payment, send_raw, wait_until
 from tests.conftest import ROOT_DIR
 from tests.test_consumer_kafka import FAST, committed
 from tests.test_transport_kafka import RefusedDeadLetters
 
 STEPS = ("fetched", "handler", "commit", "committed", "kafka")
-
-
-@pytest.fixture(scope="module")
-async def demo_tables(pg_pool: asyncpg.Pool) -> None:
-    await ensure_tables(pg_pool)
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from consumer_idem import (
     header,
     idempotent_consumer,
 )
-from consumer_idem.notice import make_notice
+from consumer_idem.notice import Notice, make_notice
 from consumer_idem.transports.kafka import KafkaRunner
 from tests._cli import cli
 from tests._payments import send_raw, wait_until
@@ -47,6 +47,21 @@ async def evicted_effects(pg_pool: asyncpg.Pool, store: PostgresStore) -> None:
 
 async def charges(pool: asyncpg.Pool, scope: str) -> int:
     return int(await pool.fetchval("SELECT count(*) FROM evicted_effects WHERE scope = $1", scope))
+
+
+async def parked_unknown(
+    store: PostgresStore,
+    scope: str,
+    body: bytes = b"{}",
+    topic: str = "orders",
+    why: str = "timeout",
+) -> Notice:
+    """Key ``k`` parked ``unknown``, and the notice (``why``) of its original message, ``body``
+    on ``topic``, for the test to keep."""
+    decision = await store.reserve(scope, "k", FP)
+    await store.mark_unknown(scope, "k", decision.token, "timeout")
+    original = ConsumerMessage(body, {"idempotency-key": b"k"}, topic=topic)
+    return make_notice(scope, "k", why, source=topic, original=original)
 
 
 async def test_evicting_an_unknown_key_whose_delivery_was_acked_runs_it_again(
@@ -122,10 +137,7 @@ async def test_evicting_an_unknown_key_whose_delivery_was_acked_runs_it_again(
 async def test_evicting_a_key_resolved_not_executed_keeps_its_armed_original(
     store: PostgresStore, scope: str
 ) -> None:
-    decision = await store.reserve(scope, "k", FP)
-    await store.mark_unknown(scope, "k", decision.token, "timeout")
-    original = ConsumerMessage(b'{"amount": 3}', {"idempotency-key": b"k"}, topic="orders")
-    notice = make_notice(scope, "k", "timeout", source="orders", original=original)
+    notice = await parked_unknown(store, scope, body=b'{"amount": 3}')
     assert await store.redispatch.keep_original(scope, "k", notice) is Status.UNKNOWN
     armed = await store.reconciliation.resolve_not_executed(
         scope, "k", NotExecuted("no charge"), due_in=3600
@@ -143,10 +155,7 @@ async def test_evicting_a_key_resolved_not_executed_keeps_its_armed_original(
 async def test_evicting_a_settled_key_drops_a_stale_outbox_row(
     store: PostgresStore, pg_pool: asyncpg.Pool, scope: str, status: Status
 ) -> None:
-    decision = await store.reserve(scope, "k", FP)
-    await store.mark_unknown(scope, "k", decision.token, "timeout")
-    original = ConsumerMessage(b"{}", {"idempotency-key": b"k"}, topic="orders")
-    notice = make_notice(scope, "k", "timeout", source="orders", original=original)
+    notice = await parked_unknown(store, scope)
     await store.redispatch.keep_original(scope, "k", notice)
     await pg_pool.execute(
         f"UPDATE {store.table} SET status = $3 WHERE scope = $1 AND key = $2",
@@ -163,10 +172,7 @@ async def test_evicting_a_settled_key_drops_a_stale_outbox_row(
 async def test_an_original_kept_while_an_operator_evicts_is_armed_not_orphaned(
     store: PostgresStore, pg_pool: asyncpg.Pool, scope: str
 ) -> None:
-    decision = await store.reserve(scope, "k", FP)
-    await store.mark_unknown(scope, "k", decision.token, "timeout")
-    original = ConsumerMessage(b'{"amount": 4}', {"idempotency-key": b"k"}, topic="orders")
-    notice = make_notice(scope, "k", "met unknown", source="orders", original=original)
+    notice = await parked_unknown(store, scope, body=b'{"amount": 4}', why="met unknown")
 
     async def waiting() -> int:
         return int(
@@ -208,10 +214,7 @@ async def test_an_original_kept_while_an_operator_evicts_is_armed_not_orphaned(
 async def test_the_cli_says_where_an_evicted_keys_original_goes(
     pg_dsn: str, store: PostgresStore, scope: str
 ) -> None:
-    decision = await store.reserve(scope, "k", FP)
-    await store.mark_unknown(scope, "k", decision.token, "timeout")
-    original = ConsumerMessage(b"{}", {"idempotency-key": b"k"}, topic="orders.v2")
-    notice = make_notice(scope, "k", "timeout", source="orders.v2", original=original)
+    notice = await parked_unknown(store, scope, topic="orders.v2")
     await store.redispatch.keep_original(scope, "k", notice)
     code, out, err = await cli("evict", scope, "k", "--yes", dsn=pg_dsn)
     assert code == 0, err
@@ -222,10 +225,7 @@ async def test_the_cli_says_where_an_evicted_keys_original_goes(
 async def test_pruning_a_key_resolved_not_executed_keeps_its_armed_original(
     store: PostgresStore, pg_pool: asyncpg.Pool, scope: str
 ) -> None:
-    decision = await store.reserve(scope, "k", FP)
-    await store.mark_unknown(scope, "k", decision.token, "timeout")
-    original = ConsumerMessage(b"{}", {"idempotency-key": b"k"}, topic="orders")
-    notice = make_notice(scope, "k", "timeout", source="orders", original=original)
+    notice = await parked_unknown(store, scope)
     await store.redispatch.keep_original(scope, "k", notice)
     await store.reconciliation.resolve_not_executed(
         scope, "k", NotExecuted("no charge"), due_in=3600

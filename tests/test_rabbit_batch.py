@@ -30,16 +30,9 @@ from consumer_idem.cli.settings import Settings
 from consumer_idem.consumer import Action
 from consumer_idem.transports.rabbit import AckWindow, RabbitRunner
 from examples.payments_producer import plan, send_rabbit
-from handlers.payments import LEDGER_SCOPE, ensure_tables, record_payments
+from handlers.payments import LEDGER_SCOPE, record_payments
 from tests._payments import assert_exactly_once, ledger_count, payment, wait_until
-from tests.conftest import ROOT_DIR
-
-QUORUM = {"x-queue-type": "quorum"}
-
-
-@pytest.fixture(scope="module")
-async def demo_tables(pg_pool: asyncpg.Pool) -> None:
-    await ensure_tables(pg_pool)
+from tests.conftest import QUORUM, ROOT_DIR, delete_queues
 
 
 @pytest.fixture
@@ -50,13 +43,7 @@ def run_id() -> str:
 @pytest.fixture
 async def queues(settings: Settings, queue_name: str) -> AsyncIterator[str]:
     yield queue_name
-    connection = await aio_pika.connect(settings.amqp_url)
-    try:
-        channel = await connection.channel()
-        for name in (queue_name, f"{queue_name}.dlq"):
-            await channel.queue_delete(name)
-    finally:
-        await connection.close()
+    await delete_queues(settings, queue_name, f"{queue_name}.dlq")
 
 
 class Booked:

@@ -31,17 +31,10 @@ from consumer_idem.cli.settings import Settings
 from consumer_idem.stores.postgres.attempts import DeliveryAttempts
 from consumer_idem.transports.rabbit import RabbitRunner
 from consumer_idem.transports.rabbit_limits import DELIVERY_LIMIT, declared_arguments
-from handlers.payments import LEDGER_SCOPE, ensure_tables
+from handlers.payments import LEDGER_SCOPE
 from tests._payments import ledger_count, payment, wait_until
-from tests.conftest import ROOT_DIR
+from tests.conftest import QUORUM, ROOT_DIR, delete_queues
 from tests.test_rabbit_batch import Booked, drain, ready_count, run_until, take_and_die
-
-QUORUM = {"x-queue-type": "quorum"}
-
-
-@pytest.fixture(scope="module")
-async def demo_tables(pg_pool: asyncpg.Pool) -> None:
-    await ensure_tables(pg_pool)
 
 
 @pytest.fixture
@@ -52,13 +45,7 @@ def run_id() -> str:
 @pytest.fixture
 async def queues(settings: Settings, queue_name: str) -> AsyncIterator[str]:
     yield queue_name
-    connection = await aio_pika.connect(settings.amqp_url)
-    try:
-        channel = await connection.channel()
-        for name in (queue_name, f"{queue_name}.dlq"):
-            await channel.queue_delete(name)
-    finally:
-        await connection.close()
+    await delete_queues(settings, queue_name, f"{queue_name}.dlq")
 
 
 async def attempts(store: PostgresStore, scope: str, key: str) -> int | None:

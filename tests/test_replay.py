@@ -7,20 +7,14 @@ from typing import Any
 
 import aio_pika
 import asyncpg
-import pytest
 from aiokafka import AIOKafkaProducer
 
 from consumer_idem import ConsumerMessage, PostgresStore, idempotent_consumer, kafka_coordinates
 from consumer_idem.cli.settings import Settings
 from consumer_idem.operations.replay import kafka_source, rabbit_source, replay
 from examples.payments_producer import plan
-from handlers.payments import ensure_tables, ledger_consumer, record_payment
+from handlers.payments import ledger_consumer, record_payment
 from tests._payments import ledger_count
-
-
-@pytest.fixture(scope="module")
-async def demo_tables(pg_pool: asyncpg.Pool) -> None:
-    await ensure_tables(pg_pool)
 
 
 async def test_replay_of_a_thousand_message_dlq_with_six_hundred_done(

@@ -26,16 +26,10 @@ from consumer_idem.sqlalchemy.faststream import IdempotentSession
 from consumer_idem.transports.kafka import KafkaRunner
 from examples.payments_consumer_sqlalchemy import Account, LedgerEntry, ledger_consumer
 from examples.payments_producer import plan, send_kafka
-from handlers.payments import ensure_tables
 from tests._payments import assert_exactly_once, ledger_count, wait_until
 from tests.conftest import unique
 
 FAST = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 500}
-
-
-@pytest.fixture(scope="module")
-async def demo_tables(pg_pool: asyncpg.Pool) -> None:
-    await ensure_tables(pg_pool)
 
 
 @pytest.fixture(scope="module")

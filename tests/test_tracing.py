@@ -39,7 +39,7 @@ from consumer_idem import (
 from consumer_idem.cli.settings import Settings
 from consumer_idem.transports.kafka import KafkaRunner
 from consumer_idem.transports.rabbit import RabbitRunner
-from handlers.payments import ensure_tables, record_payment
+from handlers.payments import record_payment
 from tests._payments import payment, wait_until
 from tests.conftest import ROOT_DIR, unique
 from tests.test_consumer_kafka import FAST
@@ -89,11 +89,6 @@ def traces() -> Iterator[Traces]:
     yield traces
     tracing.configure()
     traces.provider.shutdown()
-
-
-@pytest.fixture(scope="module")
-async def demo_tables(pg_pool: asyncpg.Pool) -> None:
-    await ensure_tables(pg_pool)
 
 
 @pytest.fixture

@@ -28,15 +28,10 @@ from consumer_idem import (
 from consumer_idem.cli.settings import Settings
 from consumer_idem.transports.kafka import KafkaRunner
 from consumer_idem.transports.kafka_offsets import PostgresOffsets
-from handlers.payments import ensure_tables, record_payment
+from handlers.payments import record_payment
 from tests._payments import ledger_count, payment, read_topic, send_raw, wait_until
 from tests.conftest import unique
 from tests.test_consumer_kafka import FAST, committed
-
-
-@pytest.fixture(scope="module")
-async def demo_tables(pg_pool: asyncpg.Pool) -> None:
-    await ensure_tables(pg_pool)
 
 
 @pytest.fixture

@@ -23,17 +23,10 @@ from consumer_idem import (
 )
 from consumer_idem.cli.settings import Settings
 from consumer_idem.transports.rabbit import RabbitRunner
-from handlers.payments import ensure_tables, record_payment
+from handlers.payments import record_payment
 from tests._broker import Outage
 from tests._payments import ledger_count, payment, wait_until
-from tests.conftest import unique
-
-QUORUM = {"x-queue-type": "quorum"}
-
-
-@pytest.fixture(scope="module")
-async def demo_tables(pg_pool: asyncpg.Pool) -> None:
-    await ensure_tables(pg_pool)
+from tests.conftest import QUORUM, delete_queues, unique
 
 
 @pytest.fixture
@@ -52,13 +45,7 @@ async def channel(settings: Settings) -> AsyncIterator[aio_pika.abc.AbstractChan
 async def queue(settings: Settings) -> AsyncIterator[str]:
     name = unique("rq")
     yield name
-    connection = await aio_pika.connect(settings.amqp_url)
-    try:
-        ch = await connection.channel()
-        for q in (name, f"{name}.dlq", f"{name}.reconcile"):
-            await ch.queue_delete(q)
-    finally:
-        await connection.close()
+    await delete_queues(settings, name, f"{name}.dlq", f"{name}.reconcile")
 
 
 def ledger(store: PostgresStore, scope: str) -> IdempotentConsumer:

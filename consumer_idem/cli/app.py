@@ -201,6 +201,15 @@ async def known_scope(store: PostgresStore, scope: str) -> None:
         raise CliError(f"unknown scope {scope!r}: no records in it")
 
 
+async def known_record(store: PostgresStore, scope: str, key: str) -> Record:
+    """The key's record, or a clear error naming an unknown scope or key."""
+    await known_scope(store, scope)
+    record = await store.get(scope, key)
+    if record is None:
+        raise CliError(f"no record for key {key!r} in scope {scope!r}")
+    return record
+
+
 def record_dict(record: Any) -> dict[str, Any]:
     out = {k: getattr(record, k) for k in record.__dataclass_fields__}
     out["result"] = record.result
@@ -440,14 +449,7 @@ def build_app() -> Any:
     ) -> None:
         """Show one record."""
 
-        async def op(store: PostgresStore) -> Any:
-            await known_scope(store, scope)
-            record = await store.get(scope, key)
-            if record is None:
-                raise CliError(f"no record for key {key!r} in scope {scope!r}")
-            return record
-
-        record = store_call(dsn, schema, op)
+        record = store_call(dsn, schema, lambda store: known_record(store, scope, key))
         data = record_dict(record)
 
         def human() -> None:
@@ -476,15 +478,8 @@ def build_app() -> Any:
         an unknown key says it did not take effect: if it may have, reconcile it instead. A key
         a worker holds (in_progress, lease running) is not evicted: wait for it."""
 
-        async def known(store: PostgresStore) -> Record:
-            await known_scope(store, scope)
-            record = await store.get(scope, key)
-            if record is None:
-                raise CliError(f"no record for key {key!r} in scope {scope!r}")
-            return record
-
         if not yes:
-            record = store_call(dsn, schema, known)
+            record = store_call(dsn, schema, lambda store: known_record(store, scope, key))
             held = record.locked_until if record.status is Status.IN_PROGRESS else None
             if held is not None and held > datetime.now(UTC):  # the DELETE checks it again
                 fail(held_line(Eviction(scope, key, record.status, held_until=held)))

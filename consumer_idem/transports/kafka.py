@@ -43,18 +43,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
-from aiokafka.errors import (
-    ClusterAuthorizationFailedError,
-    InvalidTopicError,
-    KafkaError,
-    MessageSizeTooLargeError,
-    PolicyViolationError,
-    RecordListTooLargeError,
-    RecordTooLargeError,
-    TopicAuthorizationFailedError,
-    UnsupportedForMessageFormatError,
-)
-from aiokafka.partitioner import DefaultPartitioner
+from aiokafka.errors import KafkaError
 
 from consumer_idem.backoff import Backoff
 from consumer_idem.consumer import (
@@ -72,34 +61,19 @@ from consumer_idem.errors import ConsumerIdemError
 from consumer_idem.key_strategies import ORIGINAL_OFFSET, ORIGINAL_PARTITION, ORIGINAL_TOPIC
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import KEY_HEADER, SCOPE_HEADER, Notice
-from consumer_idem.outbox import HeldBack, OutboxService, OutgoingMessage
-from consumer_idem.outbox_identity import broker_route, kafka_where
+from consumer_idem.outbox import OutboxService
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.transports import settle, start_failures
 from consumer_idem.transports.kafka_offset_check import start_positions
 from consumer_idem.transports.kafka_offsets import OffsetHook, PostgresOffsets, record_mark
+from consumer_idem.transports.kafka_outbox import PERMANENT_ERRORS as PERMANENT_ERRORS
+from consumer_idem.transports.kafka_outbox import KafkaOutboxSender as KafkaOutboxSender
 from consumer_idem.transports.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats, Settled
 
 log = logging.getLogger("consumer_idem.transports.kafka")
 
 DEFAULT_RECONCILE_TOPIC = "consumer_idem.reconcile"
 
-#: publish errors that recur for the same record and topic: retrying them would block the
-#: partition for ever (anything else from the broker is treated as transient)
-PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
-    MessageSizeTooLargeError,
-    RecordTooLargeError,
-    RecordListTooLargeError,
-    InvalidTopicError,
-    TopicAuthorizationFailedError,
-    ClusterAuthorizationFailedError,
-    UnsupportedForMessageFormatError,
-    PolicyViolationError,
-    # the client's own checks of what it is given (header types...): the same next time
-    AssertionError,
-    TypeError,
-    ValueError,
-)
 #: how long a partition whose worker failed waits before it is restarted
 RESTART_BACKOFF = Backoff(1.0, 60.0)
 
@@ -186,93 +160,6 @@ class _Partition:
 class _Delivery:
     part: _Partition
     record: ConsumerRecord[bytes, bytes]
-
-
-#: an outgoing message bigger than this goes through ``producer.send()`` on its own, where the
-#: producer's size checks refuse it at once (it is parked, not the batch it would have joined)
-SMALL_MESSAGE = 16 * 1024
-
-
-class KafkaOutboxSender:
-    """Sends outgoing messages of the transactional outbox (``consumer_idem.outbox``) with an
-    ``AIOKafkaProducer`` you started (create it with ``acks="all"`` and
-    ``enable_idempotence=True``): the destination is the topic, ``key`` the record key.
-
-    Messages are appended to one producer batch per topic partition, handed over in order,
-    and only then are the confirmations awaited: a dispatch costs one request per partition
-    and far less work per message than a ``send()`` each. Keyed messages are placed by Kafka's
-    default partitioner (murmur2, as the Java client and aiokafka place them), so messages with
-    one key share a partition and the idempotent producer keeps their order; those without a
-    key go to a random partition.
-
-    ``cluster``: the cluster the producer reaches (its bootstrap servers, in any order, or a
-    name of yours).
-    The sender's ``route`` (``kafka:<cluster>``, ``kafka`` without one) is recorded with each
-    outgoing message, and a relay with this sender sends only messages of that route: name the
-    cluster when a process sends to more than one."""
-
-    def __init__(self, producer: AIOKafkaProducer, *, cluster: str | None = None) -> None:
-        self.producer = producer
-        # a bootstrap list names one cluster in any order: "a:9092,b:9092" is "b:9092,a:9092"
-        self.route = broker_route("kafka", kafka_where(cluster))
-        self._partitioner = DefaultPartitioner()
-
-    def permanent(self, exc: BaseException) -> bool:
-        return isinstance(exc, PERMANENT_ERRORS)
-
-    async def send_batch(self, messages: Sequence[OutgoingMessage]) -> list[BaseException | None]:
-        producer = self.producer
-        results: list[BaseException | None] = [None] * len(messages)
-        handed: list[tuple[list[int], asyncio.Future[Any]]] = []  # (messages, confirmation)
-        filling: dict[tuple[str, int], tuple[Any, list[int]]] = {}  # open batch per partition
-        held: dict[Any, BaseException] = {}  # groups whose order a failure interrupted
-
-        def failed(members: list[int], exc: BaseException) -> None:
-            for i in members:
-                results[i] = exc
-                if not self.permanent(exc):
-                    held[messages[i].group] = exc
-
-        async def hand_over(tp: tuple[str, int]) -> None:
-            batch, members = filling.pop(tp)
-            try:
-                handed.append((members, await producer.send_batch(batch, tp[0], partition=tp[1])))
-            except Exception as exc:
-                failed(members, exc)
-
-        for i, m in enumerate(messages):
-            if m.group in held:
-                results[i] = HeldBack(f"held back after {held[m.group]!r}")
-                continue
-            try:
-                partitions = sorted(await producer.partitions_for(m.destination))
-                tp = (m.destination, self._partitioner(m.key, partitions, partitions))
-                headers = list(m.headers)
-                if len(m.body) + len(m.key or b"") > SMALL_MESSAGE:
-                    if tp in filling:  # what was published before it goes first
-                        await hand_over(tp)
-                    sent = await producer.send(
-                        m.destination, value=m.body, key=m.key, headers=headers, partition=tp[1]
-                    )
-                    handed.append(([i], sent))
-                    continue
-                batch, members = filling.get(tp) or (producer.create_batch(), [])
-                if batch.append(key=m.key, value=m.body, timestamp=None, headers=headers) is None:
-                    filling[tp] = (batch, members)
-                    await hand_over(tp)  # full: a new one (a small message fits an empty one)
-                    batch, members = producer.create_batch(), []
-                    batch.append(key=m.key, value=m.body, timestamp=None, headers=headers)
-                filling[tp] = (batch, [*members, i])
-            except Exception as exc:  # refused before it left (too large, no metadata...)
-                failed([i], exc)
-        for tp in list(filling):
-            await hand_over(tp)
-        confirmed = await asyncio.gather(*(f for _, f in handed), return_exceptions=True)
-        for (members, _), outcome in zip(handed, confirmed, strict=True):
-            if isinstance(outcome, BaseException):
-                for i in members:
-                    results[i] = outcome
-        return results
 
 
 class KafkaRunner:

@@ -45,7 +45,6 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -72,13 +71,16 @@ from consumer_idem.consumer import (
 from consumer_idem.message import ConsumerMessage, header_bytes
 from consumer_idem.notice import AMQP_PROPERTIES, KEY_HEADER, SCOPE_HEADER, Notice
 from consumer_idem.notice import ORIGINAL_QUEUE as ORIGINAL_QUEUE
-from consumer_idem.outbox import OutboxService, OutgoingMessage, send_all
-from consumer_idem.outbox_identity import amqp_where, broker_route
+from consumer_idem.outbox import OutboxService
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.transports import settle, start_failures
 from consumer_idem.transports.delivery_budget import DeliveryBudget
 from consumer_idem.transports.rabbit_acks import AckWindow as AckWindow
 from consumer_idem.transports.rabbit_limits import check_arguments, declare_consumed
+from consumer_idem.transports.rabbit_outbox import QUORUM as QUORUM
+from consumer_idem.transports.rabbit_outbox import RabbitOutboxSender as RabbitOutboxSender
+from consumer_idem.transports.rabbit_outbox import outgoing_message as outgoing_message
+from consumer_idem.transports.rabbit_outbox import permanent as permanent
 from consumer_idem.transports.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats, Settled
 
 log = logging.getLogger("consumer_idem.transports.rabbit")
@@ -86,7 +88,6 @@ log = logging.getLogger("consumer_idem.transports.rabbit")
 DEFAULT_RECONCILE_QUEUE = "consumer_idem.reconcile"
 #: on a copy handed back after a long wait: the deliveries its original had already spent
 SPENT_DELIVERIES = "x-consumer-idem-deliveries"
-QUORUM = {"x-queue-type": "quorum"}
 #: how long a delivery that failed unexpectedly waits before it is handed back
 HANDBACK_BACKOFF = Backoff(0.5, 10.0)
 
@@ -125,16 +126,6 @@ def _lost(exc: BaseException) -> bool:
         exc,
         aiormq.exceptions.AMQPError | aiormq.exceptions.ChannelInvalidStateError | ConnectionError,
     )
-
-
-def permanent(exc: BaseException) -> bool:
-    """A publish error that recurs for the same message and queue. A refused publish (full
-    queue with ``reject-publish``: a nack) and an unroutable one (no such queue yet) are
-    transient: holding the delivery until it goes through is right, and a copy without its
-    body would fare no better."""
-    if isinstance(exc, aiormq.exceptions.ChannelPreconditionFailed):
-        return "size" in str(exc)  # "message size N is larger than configured max size M"
-    return isinstance(exc, TypeError | ValueError)  # a header the client cannot encode
 
 
 def dead_letter_headers(
@@ -221,102 +212,6 @@ def redispatch_message(notice: Notice) -> aio_pika.Message:
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         **redispatch_properties(notice),
     )
-
-
-def outgoing_message(message: OutgoingMessage) -> aio_pika.Message:
-    """An outgoing message of the outbox as AMQP: persistent, its headers (text ones as text),
-    its ``idempotency-key`` also as ``message_id`` (for ``amqp_message_id()`` key strategies),
-    ``content-type`` also as the property."""
-    headers: dict[str, Any] = {}
-    for name, value in message.headers:
-        try:
-            headers[name] = value.decode("utf-8")
-        except UnicodeDecodeError:
-            headers[name] = bytearray(value)
-    content_type = message.header("content-type")
-    return aio_pika.Message(
-        message.body,
-        headers=headers,
-        message_id=message.idempotency_key,
-        content_type=None if content_type is None else content_type.decode("latin-1"),
-        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-    )
-
-
-class RabbitOutboxSender:
-    """Sends outgoing messages of the transactional outbox (``consumer_idem.outbox``) on a
-    channel of its own (publisher confirms, mandatory) of ``connection`` (an aio-pika
-    connection, or a callable returning the current one): the destination is a queue, reached
-    through the default exchange. With ``declare`` each destination queue is declared once
-    (durable, ``queue_arguments``; default: quorum), so a message is never returned for want
-    of its queue; a queue that exists with other arguments is taken as it is.
-
-    Messages of one unit to one queue go one after the other (a queue keeps the order of one
-    channel's publishes); the others go side by side, each confirmed.
-
-    ``broker``: the broker reached (an AMQP URL, credentials are left out, or a name of
-    yours; default: the URL of ``connection`` when it is a connection). The sender's ``route``
-    (``amqp:<host:port>[/<vhost>]``) is recorded with each outgoing message, and a relay with this
-    sender sends only messages of that route."""
-
-    def __init__(
-        self,
-        connection: Any,
-        *,
-        declare: bool = True,
-        queue_arguments: dict[str, Any] | None = None,
-        concurrency: int = 256,
-        broker: str | None = None,
-    ) -> None:
-        if broker is None and not callable(connection):
-            broker = str(getattr(connection, "url", "") or "") or None
-        self.route = broker_route("amqp", amqp_where(broker))
-        self._connection_source = connection if callable(connection) else lambda: connection
-        self.declare = declare
-        self.queue_arguments = QUORUM if queue_arguments is None else queue_arguments
-        self.concurrency = concurrency
-        self._channel: Any = None
-        self._owner: Any = None  # the connection the channel was opened on
-        self._declared: set[str] = set()
-
-    def permanent(self, exc: BaseException) -> bool:
-        return permanent(exc)
-
-    async def _open(self) -> Any:
-        connection = self._connection_source()
-        if connection is None:
-            raise aiormq.exceptions.ChannelInvalidStateError("not connected")
-        if self._channel is None or self._channel.is_closed or self._owner is not connection:
-            self._channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-            self._owner = connection
-        return self._channel
-
-    async def _declare_queue(self, name: str) -> None:
-        if not self.declare or name in self._declared:
-            return
-        connection = self._connection_source()
-        if connection is None:
-            raise aiormq.exceptions.ChannelInvalidStateError("not connected")
-        # a channel of its own: a refused declaration closes the channel it was made on
-        channel = await connection.channel()
-        try:
-            await channel.declare_queue(name, durable=True, arguments=self.queue_arguments)
-        except aiormq.exceptions.ChannelPreconditionFailed:
-            pass  # it exists, declared otherwise: publish to it as it is
-        finally:
-            with contextlib.suppress(Exception):
-                await channel.close()
-        self._declared.add(name)
-
-    async def _send(self, message: OutgoingMessage) -> None:
-        await self._declare_queue(message.destination)
-        channel = await self._open()
-        await channel.default_exchange.publish(
-            outgoing_message(message), routing_key=message.destination, mandatory=True
-        )
-
-    async def send_batch(self, messages: Sequence[OutgoingMessage]) -> list[BaseException | None]:
-        return await send_all(self._send, messages, self.permanent, self.concurrency)
 
 
 class RabbitRunner:

@@ -192,6 +192,40 @@ def _pace(max_rows_per_s: Any) -> float:
     return rate
 
 
+def _one_more_batch(
+    report: PruneReport,
+    picked: int,
+    batch_size: int,
+    elapsed: float,
+    on_batch: Callable[[PruneReport], None] | None,
+    *,
+    rows: int = 0,
+    attempts: int = 0,
+) -> PruneReport:
+    """``report`` after one more prune batch (``picked`` rows looked at, ``rows`` records and
+    ``attempts`` counts gone, in ``elapsed`` seconds), handed to ``on_batch``."""
+    report = replace(
+        report,
+        rows=report.rows + rows,
+        attempts=report.attempts + attempts,
+        batches=report.batches + 1,
+        longest_statement_s=max(report.longest_statement_s, elapsed),
+        # a full last batch under max_batches: there may be more
+        finished=picked < batch_size,
+    )
+    if on_batch is not None:
+        on_batch(report)
+    return report
+
+
+def _paced(next_at: float, started: float, picked: int, pace: float) -> float:
+    """When the next prune batch may start after one of ``picked`` rows begun at ``started``
+    (``time.perf_counter()``), at ``pace`` rows a second (0.0: unpaced, ``next_at`` as it is).
+    A batch earns its rows' time from when it started (or was due, if later): a slow stretch
+    earns no credit to be spent in a burst afterwards."""
+    return max(next_at, started) + picked / pace if pace else next_at
+
+
 class Maintenance:
     """The store's housekeeping and inspection (``store.maintenance``)."""
 
@@ -380,23 +414,12 @@ class Maintenance:
                 await store.cache.drop_expired(
                     (r["scope"], key) for r in scopes for key in r["keys"]
                 )
-            report = replace(
-                report,
-                rows=report.rows + pruned,
-                attempts=report.attempts + forgotten,
-                batches=report.batches + 1,
-                longest_statement_s=max(report.longest_statement_s, elapsed),
-                # a full last batch under max_batches: there may be more
-                finished=picked < batch_size,
+            report = _one_more_batch(
+                report, picked, batch_size, elapsed, on_batch, rows=pruned, attempts=forgotten
             )
-            if on_batch is not None:
-                on_batch(report)
             if picked < batch_size or stop.is_set():
                 break
-            if pace:
-                # a batch earns its rows' time from when it started (or was due, if later):
-                # a slow stretch earns no credit to be spent in a burst afterwards
-                next_at = max(next_at, started) + picked / pace
+            next_at = _paced(next_at, started, picked, pace)
         if report.finished and not stop.is_set():
             report = await self._prune_attempts(
                 report, batch_size, max_batches, pace, stop, on_batch
@@ -426,19 +449,12 @@ class Maintenance:
             started = time.perf_counter()
             picked, deleted = await counts.prune_old(batch_size, scopes)
             elapsed = time.perf_counter() - started
-            report = replace(
-                report,
-                attempts=report.attempts + deleted,
-                batches=report.batches + 1,
-                longest_statement_s=max(report.longest_statement_s, elapsed),
-                finished=picked < batch_size,
+            report = _one_more_batch(
+                report, picked, batch_size, elapsed, on_batch, attempts=deleted
             )
-            if on_batch is not None:
-                on_batch(report)
             if picked < batch_size or stop.is_set():
                 break
-            if pace:
-                next_at = max(next_at, started) + picked / pace
+            next_at = _paced(next_at, started, picked, pace)
         else:
             report = replace(report, finished=False)  # max_batches, with rows possibly left
         return report

@@ -35,6 +35,15 @@ class RedispatchOutbox:
         "scope, key, source, body, header_names, header_values, record_key, properties, due_at"
     )
 
+    async def _drop(self, c: Any, scope: str, key: str) -> None:
+        """Delete the key's outbox row (if any), on connection ``c``."""
+        await c.execute(
+            f"DELETE FROM {self._outbox} WHERE scope = $1 AND key = $2",
+            scope,
+            key,
+            timeout=self.store.command_timeout,
+        )
+
     @staticmethod
     def _outbox_args(notice: Notice) -> tuple[Any, ...]:
         if not notice.original:
@@ -142,12 +151,7 @@ class RedispatchOutbox:
         or the one ``notice`` carries when none was kept (not executed), counting the
         re-dispatch on the record."""
         if isinstance(resolution, Executed):
-            await c.execute(
-                f"DELETE FROM {self._outbox} WHERE scope = $1 AND key = $2",
-                scope,
-                key,
-                timeout=self.store.command_timeout,
-            )
+            await self._drop(c, scope, key)
             return None
         arm = "id = DEFAULT, attempts = 0, last_error = NULL, due_at = now() + $3::interval"
         if notice is not None and notice.original:
@@ -197,12 +201,7 @@ class RedispatchOutbox:
                 timeout=self.store.command_timeout,
             )
             return source
-        await c.execute(
-            f"DELETE FROM {self._outbox} WHERE scope = $1 AND key = $2",
-            scope,
-            key,
-            timeout=self.store.command_timeout,
-        )
+        await self._drop(c, scope, key)
         return None
 
     async def pending_redispatches(
