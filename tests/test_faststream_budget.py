@@ -5,7 +5,6 @@ are not dead-lettered, and a key whose effect committed is acked past its budget
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,6 +17,7 @@ from faststream.rabbit import QueueType, RabbitBroker, RabbitQueue, RabbitRouter
 
 from consumer_idem import ConsumerMessage, PostgresStore, header, idempotent_consumer
 from consumer_idem.cli.settings import Settings
+from consumer_idem.errors import IdempotencyConfigError
 from consumer_idem.faststream import CurrentIdempotency, Idempotency, IdempotentConnection
 from consumer_idem.stores.postgres.attempts import DeliveryAttempts
 from tests._faststream import effect_count, write_effect
@@ -158,9 +158,9 @@ async def test_a_subscriber_queue_whose_delivery_limit_is_below_the_budget_is_re
     queue_name: str,
 ) -> None:
     """A queue declared with ``x-delivery-limit: 2`` under a budget of 5: the broker would drop
-    a message the budget still means to deliver. The subscriber is refused on its first message
-    (``IdempotencyConfigError``): the handler never runs, nothing is acked or dead-lettered, and
-    the message is back in its queue once the app stops."""
+    a message the budget still means to deliver. The broker refuses to start
+    (``IdempotencyConfigError``) before it fetches anything: the handler never runs, nothing is
+    acked or dead-lettered, and the message stays in its queue."""
     limited = {"x-delivery-limit": 2}
     broker = RabbitBroker(settings.amqp_url)
     idem = Idempotency(store, broker=broker, scope=scope, key=KEY, max_deliveries=5)
@@ -182,11 +182,9 @@ async def test_a_subscriber_queue_whose_delivery_limit_is_below_the_budget_is_re
             aio_pika.Message(b'{"n": 1}', headers={"idempotency-key": "k1"}),
             routing_key=queue_name,
         )
-        await broker.start()
-        try:
-            await asyncio.sleep(2)
-        finally:
-            await broker.stop()
+        with pytest.raises(IdempotencyConfigError, match="x-delivery-limit is 2"):
+            await broker.start()
+        await broker.stop()
         assert ran == [] and idem.stats.processed == 0 and idem.stats.dead_lettered == 0
 
         async def back() -> bool:
