@@ -19,6 +19,7 @@ import base64
 import contextlib
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
@@ -65,13 +66,15 @@ async def local_rows(pool: asyncpg.Pool, scope: str) -> int:
     return int(await pool.fetchval("SELECT count(*) FROM guard_local WHERE scope = $1", scope))
 
 
-# --- the reconciler's local writes --------------------------------------------------------------
+LocalWrites = Callable[[asyncpg.Connection, Any], Awaitable[None]]
 
 
-async def test_local_writes_that_swallow_a_failed_statement_resolve_nothing(
-    store: PostgresStore, pg_pool: asyncpg.Pool, scope: str
-) -> None:
-    await pg_pool.execute("CREATE TABLE IF NOT EXISTS guard_local (scope text, charge text)")
+async def parked_with_writes(
+    store: PostgresStore, pool: asyncpg.Pool, scope: str, first: LocalWrites
+) -> LocalWrites:
+    """Park key ``k`` unknown; the local writes returned run ``first`` on their first call, and
+    on every later call write the charge's local row."""
+    await pool.execute("CREATE TABLE IF NOT EXISTS guard_local (scope text, charge text)")
     await parked(store, scope, "k")
     calls = 0
 
@@ -79,12 +82,25 @@ async def test_local_writes_that_swallow_a_failed_statement_resolve_nothing(
         nonlocal calls
         calls += 1
         if calls == 1:
-            # a failed statement swallowed without a savepoint: the transaction is aborted
-            with contextlib.suppress(asyncpg.DataError):
-                await conn.execute("INSERT INTO guard_local VALUES ($1, 1/0)", scope)
+            await first(conn, result)
             return
         await conn.execute("INSERT INTO guard_local VALUES ($1, $2)", scope, result["charge"])
 
+    return writes
+
+
+# --- the reconciler's local writes --------------------------------------------------------------
+
+
+async def test_local_writes_that_swallow_a_failed_statement_resolve_nothing(
+    store: PostgresStore, pg_pool: asyncpg.Pool, scope: str
+) -> None:
+    async def swallow_a_failed_statement(conn: asyncpg.Connection, result: Any) -> None:
+        # a failed statement swallowed without a savepoint: the transaction is aborted
+        with contextlib.suppress(asyncpg.DataError):
+            await conn.execute("INSERT INTO guard_local VALUES ($1, 1/0)", scope)
+
+    writes = await parked_with_writes(store, pg_pool, scope, swallow_a_failed_statement)
     reconciler = Reconciler(store, executed, scopes=[scope], local_writes={scope: writes})
     first = await reconciler.process(notice(scope, "k"))
     # PostgreSQL answered its COMMIT with ROLLBACK: nothing was resolved, the notice comes again
@@ -101,17 +117,10 @@ async def test_local_writes_that_swallow_a_failed_statement_resolve_nothing(
 async def test_an_executed_answer_whose_local_writes_raise_is_not_committed(
     store: PostgresStore, pg_pool: asyncpg.Pool, scope: str
 ) -> None:
-    await pg_pool.execute("CREATE TABLE IF NOT EXISTS guard_local (scope text, charge text)")
-    await parked(store, scope, "k")
-    calls = 0
+    async def raise_a_bug(conn: asyncpg.Connection, result: Any) -> None:
+        raise KeyError("receipt")  # a bug of the writes, no statement failed
 
-    async def writes(conn: asyncpg.Connection, result: Any) -> None:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            raise KeyError("receipt")  # a bug of the writes, no statement failed
-        await conn.execute("INSERT INTO guard_local VALUES ($1, $2)", scope, result["charge"])
-
+    writes = await parked_with_writes(store, pg_pool, scope, raise_a_bug)
     reconciler = Reconciler(
         store, executed, scopes=[scope], local_writes={scope: writes}, backoff=(0.01, 0.05)
     )
