@@ -32,7 +32,7 @@ from consumer_idem.errors import WebhookSecretError, WebhookVerificationError
 from consumer_idem.fingerprint import parse_json
 
 DEFAULT_TOLERANCE = 300
-DIGEST_SIZE = hashlib.sha256().digest_size
+SHA256_SIZE = hashlib.sha256().digest_size
 _DIGITS = re.compile(r"[0-9]{1,15}")
 Encoding = Literal["hex", "base64"]
 #: header value -> (timestamp or None, the signatures offered)
@@ -94,7 +94,7 @@ def decode_digest(text: str, encoding: Encoding) -> bytes | None:
         )
     except (UnicodeEncodeError, binascii.Error, ValueError):
         return None
-    return decoded if len(decoded) == DIGEST_SIZE else None
+    return decoded if len(decoded) == SHA256_SIZE else None
 
 
 def matches(signed: bytes, keys: Sequence[bytes], offered: Sequence[bytes]) -> bool:
