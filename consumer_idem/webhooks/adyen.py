@@ -90,6 +90,8 @@ class AdyenVerifier:
     def verify_item(self, item: Mapping[str, Any]) -> None:
         extra = item.get("additionalData")
         signature = extra.get("hmacSignature") if isinstance(extra, Mapping) else None
+        if isinstance(signature, list):
+            raise WebhookVerificationError(400, "an Adyen hmacSignature is sent more than once")
         if not isinstance(signature, str) or not signature:
             raise WebhookVerificationError(400, "an Adyen item has no additionalData.hmacSignature")
         digest = decode_digest(signature, "base64")

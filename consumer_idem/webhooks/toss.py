@@ -92,7 +92,7 @@ class TossVerifier:
         data = event.get("data")
         payment_key = data.get("paymentKey") if isinstance(data, dict) else None
         if not isinstance(payment_key, str) or not payment_key:
-            raise WebhookVerificationError(401, f"the {SIGNATURE_HEADER} header is missing")
+            raise WebhookVerificationError(400, f"the {SIGNATURE_HEADER} header is missing")
         if self.fetch_payment is None:
             raise WebhookVerificationError(
                 401, "an unsigned Toss payment event needs fetch_payment to be verified"
