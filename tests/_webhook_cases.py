@@ -143,9 +143,8 @@ def _adyen_wrong(event_id: str, secret: str, ts: int) -> Request:
 
 
 def _toss(event_id: str, secret: str, ts: int) -> Request:
-    body = json.dumps(
-        {"eventType": "payout.changed", "createdAt": iso(ts), "data": {"payoutKey": event_id, "amount": 4200}}
-    ).encode()
+    data = {"payoutKey": event_id, "amount": 4200}
+    body = json.dumps({"eventType": "payout.changed", "createdAt": iso(ts), "data": data}).encode()
     return body, list(wh.sign_toss(body, secret, iso(ts)).items())
 
 

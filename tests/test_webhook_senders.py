@@ -201,7 +201,7 @@ async def test_a_signed_body_that_is_not_the_senders_format_is_a_400_naming_it(
         response = await end.refused(json.dumps(wh.adyen_batch(item)).encode(), [], 400)
         assert "pspReference" in response.json()["detail"]
         return
-    body, headers = case.make("evt_x", case.secrets[0], now)
+    _, headers = case.make("evt_x", case.secrets[0], now)
     # the same headers re-signed over a body that is not JSON
     resigned = _resign(case, b"not json", headers, now)
     response = await end.refused(b"not json", resigned, 400)

@@ -4,9 +4,9 @@ matches them, ids of any length, and signatures compared in constant time only."
 from __future__ import annotations
 
 import ast
-import importlib
 import base64
 import hmac
+import importlib
 import inspect
 import pkgutil
 import time
@@ -109,8 +109,9 @@ def test_every_signature_check_goes_through_compare_digest(monkeypatch: Any) -> 
 
 
 def test_no_signature_is_compared_with_an_operator() -> None:
-    """Lint: in the webhooks package no ``==``, ``!=``, ``in`` or ``not in`` touches a value whose name
-    says it is a signature, digest or MAC (those go through ``hmac.compare_digest``)."""
+    """Lint: in the webhooks package no ``==``, ``!=``, ``in`` or ``not in`` touches a value
+    whose name says it is a signature, digest or MAC (those go through
+    ``hmac.compare_digest``)."""
     sources = [
         inspect.getsource(importlib.import_module(f"consumer_idem.webhooks.{m.name}"))
         for m in pkgutil.iter_modules(webhooks.__path__)

@@ -51,6 +51,7 @@ from consumer_idem.webhooks.paddle import paddle_verifier, sign_paddle
 from consumer_idem.webhooks.razorpay import razorpay_verifier, sign_razorpay
 from consumer_idem.webhooks.receiver import (
     Delivery,
+    DeliveryHandler,
     DeliveryVerifier,
     EventHandler,
     Verifier,
@@ -81,6 +82,7 @@ __all__ = [
     "RETRY_HORIZONS",
     "AdyenVerifier",
     "Delivery",
+    "DeliveryHandler",
     "DeliveryVerifier",
     "EventHandler",
     "HmacVerifier",

@@ -43,6 +43,8 @@ from consumer_idem.webhooks.horizons import RETRY_HORIZONS, checked_retention
 log = logging.getLogger("consumer_idem.webhooks")
 
 EventHandler = Callable[[dict[str, Any], asyncpg.Connection], Awaitable[Any]]
+#: ``with_delivery=True``: the handler gets the whole :class:`Delivery` (its event id too)
+DeliveryHandler = Callable[["Delivery", asyncpg.Connection], Awaitable[Any]]
 Verifier = Callable[[bytes, Mapping[str, str]], str]  # returns the event id
 #: the same problem types as the HTTP middleware's
 PROBLEM_TYPE = "urn:consumer-idem:problem:"
@@ -91,7 +93,9 @@ class WebhookReceiver:
     records the event as processed. ``retention``: how long records are kept; for a sender of
     :data:`~consumer_idem.webhooks.RETRY_HORIZONS` (named by the verifier, or ``provider``)
     one shorter than its retry horizon plus a margin is refused here, and the default is the
-    longer of 30 days and that floor.
+    longer of 30 days and that floor. ``with_delivery=True``: ``handler(delivery, conn)`` gets
+    the :class:`Delivery` (``event_id`` and ``event``), for a handler that records the id a
+    header carries.
     """
 
     def __init__(
@@ -99,15 +103,17 @@ class WebhookReceiver:
         store: PostgresStore | Callable[[], PostgresStore],
         provider: str,
         verify: Verifier | DeliveryVerifier,
-        handler: EventHandler,
+        handler: EventHandler | DeliveryHandler,
         *,
         retention: timedelta | None = None,
+        with_delivery: bool = False,
     ) -> None:
         self._store = store
         self.provider = provider
         self.scope = f"webhook:{provider}"
         self.verify = verify
         self.handler = handler
+        self.with_delivery = with_delivery
         named = getattr(verify, "sender", None)
         self.sender: str | None = named or (provider if provider in RETRY_HORIZONS else None)
         self.retention = checked_retention(self.sender, retention)
@@ -160,7 +166,8 @@ class WebhookReceiver:
 
         async def handle(conn: asyncpg.Connection) -> Any:
             try:
-                return await self.handler(delivery.event, conn)
+                given: Any = delivery if self.with_delivery else delivery.event
+                return await self.handler(given, conn)
             except (DomainError, Ambiguous):
                 raise  # classified outcomes, not bugs
             except Exception:
