@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import secrets
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -21,6 +23,7 @@ from consumer_idem import PostgresStore
 from consumer_idem import webhooks as wh
 from consumer_idem.errors import ConfigurationError
 from consumer_idem.webhooks import WebhookReceiver
+from consumer_idem.webhooks.horizons import spoken
 from tests._webhook_cases import adyen_item
 from tests.conftest import unique
 
@@ -136,6 +139,18 @@ def test_every_senders_default_retention_outlives_its_retries(store: PostgresSto
     for sender, (horizon, _) in wh.RETRY_HORIZONS.items():
         receiver = WebhookReceiver(store, sender, lambda b, h: "x", noop)
         assert receiver.retention >= horizon + wh.MARGIN, sender
+
+
+def test_the_guides_horizon_table_is_the_codes() -> None:
+    page = (Path(__file__).parent.parent / "docs/guides/webhooks.md").read_text()
+    shown = dict(
+        (m[1], (m[2], m[3]))
+        for m in re.finditer(r"^\| `(\w+)` \| ([^|]+) \| ([^|]+) \|$", page, re.M)
+    )
+    assert shown == {
+        sender: (spoken(horizon), spoken(horizon + wh.MARGIN))
+        for sender, (horizon, _) in wh.RETRY_HORIZONS.items()
+    }
 
 
 async def test_prune_keeps_a_webhook_record_until_the_senders_horizon_has_passed(

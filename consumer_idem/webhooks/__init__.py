@@ -5,22 +5,17 @@ One verification mechanism (``_verify``: raw body, constant-time comparison of b
 checked when the verifier is built, several secrets for rotation, a timestamp tolerance only
 where the timestamp is signed) and a module per sender:
 
-==============  ======================================  ==========================
-module          verifier                                 identity deduplicated
-==============  ======================================  ==========================
-``stripe``      :func:`stripe_verifier`                  event ``id``
-``standard``    :func:`standard_verifier` (Svix)         ``webhook-id``
-``razorpay``    :func:`razorpay_verifier`                ``x-razorpay-event-id``
-``checkout``    :func:`checkout_verifier`                event ``id``
-``shopify``     :func:`shopify_verifier`                 ``X-Shopify-Webhook-Id``
-``github``      :func:`github_verifier`                  ``X-GitHub-Delivery``
-``paddle``      :func:`paddle_verifier`                  ``event_id``
-``adyen``       :func:`adyen_verifier`                   each item: pspReference+eventCode+success
-``paypal``      :func:`paypal_verifier` (``webhooks``    event ``id``
-                extra: ``cryptography``)
-``toss``        :func:`toss_verifier`                    signed: type+createdAt+data;
-                                                         unsigned: paymentKey+status, re-read
-==============  ======================================  ==========================
+* ``stripe``: :func:`stripe_verifier`; deduplicated by the event ``id``
+* ``standard`` (Svix): :func:`standard_verifier`; by ``webhook-id``
+* ``razorpay``: :func:`razorpay_verifier`; by ``x-razorpay-event-id``
+* ``checkout``: :func:`checkout_verifier`; by the event ``id``
+* ``shopify``: :func:`shopify_verifier`; by ``X-Shopify-Webhook-Id``
+* ``github``: :func:`github_verifier`; by ``X-GitHub-Delivery``
+* ``paddle``: :func:`paddle_verifier`; by ``event_id``
+* ``adyen``: :func:`adyen_verifier`; each item, by pspReference + eventCode + success
+* ``paypal``: :func:`paypal_verifier` (the ``webhooks`` extra: cryptography); by the event ``id``
+* ``toss``: :func:`toss_verifier`; signed events by type + createdAt + data, unsigned payment
+  events re-read from Toss, by paymentKey + status
 
 A malformed request is a 400 naming what is wrong, a wrong or stale signature a 401, and
 nothing is recorded for either. :class:`WebhookReceiver` runs the handler once per (provider,

@@ -32,6 +32,19 @@ MARGIN = timedelta(days=1)
 DEFAULT_RETENTION = timedelta(days=30)
 
 
+def spoken(duration: timedelta) -> str:
+    """``7 days``, ``28 hours``, ``1 day, 4 hours``: a duration as the message says it."""
+    days, seconds = duration.days, duration.seconds
+    parts = [f"{days} day{'s' * (days != 1)}"] if days else []
+    hours, rest = divmod(seconds, 3600)
+    if hours:
+        parts.append(f"{hours} hour{'s' * (hours != 1)}")
+    if rest or duration.microseconds or not parts:
+        amount = rest + duration.microseconds / 1e6
+        parts.append(f"{amount:g} second{'s' * (amount != 1)}")
+    return ", ".join(parts)
+
+
 def retention_floor(sender: str) -> timedelta | None:
     """The shortest retention for ``sender``'s records (None: a sender not in the table)."""
     horizon = RETRY_HORIZONS.get(sender)
@@ -47,8 +60,8 @@ def checked_retention(sender: str | None, retention: timedelta | None) -> timede
     if floor is not None and retention < floor:
         horizon, source = RETRY_HORIZONS[sender]  # type: ignore[index]
         raise ConfigurationError(
-            f"a retention of {retention} is shorter than {sender}'s retry horizon ({horizon}: "
-            f"{source}) plus a margin of {MARGIN}: a late retry would run the effect again. "
-            f"Keep its records at least {floor}."
+            f"a retention of {spoken(retention)} is shorter than {sender}'s retry horizon "
+            f"({spoken(horizon)}: {source}) plus a margin of {spoken(MARGIN)}: a late retry "
+            f"would run the effect again. Keep its records at least {spoken(floor)}."
         )
     return retention
