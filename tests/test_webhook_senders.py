@@ -280,3 +280,22 @@ def test_adyens_published_example_verifies() -> None:
 def test_adyen_escapes_backslash_and_colon_and_keeps_empty_fields() -> None:
     item = {"pspReference": "a:b", "merchantReference": "c\\d", "success": True}
     assert wh.adyen.signing_string(item) == b"a\\:b:::c\\\\d::::true"
+
+
+@pytest.mark.parametrize(
+    ("name", "header"),
+    [
+        ("standard", "webhook-id"),
+        ("razorpay", "x-razorpay-event-id"),
+        ("shopify", "x-shopify-webhook-id"),
+        ("github", "x-github-delivery"),
+    ],
+)
+async def test_a_missing_identity_header_is_a_400_naming_it(
+    store: PostgresStore, name: str, header: str
+) -> None:
+    case = next(c for c in CASES if c.name == name)
+    end = Endpoint(store, case)
+    body, headers = case.make(unique("evt"), case.secrets[0], int(time.time()))
+    response = await end.refused(body, [(k, v) for k, v in headers if k.lower() != header], 400)
+    assert response.json()["detail"] == f"the {header} header is missing"
