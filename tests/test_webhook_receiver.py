@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 import secrets
+import signal
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -86,6 +89,29 @@ async def test_a_crash_between_adyen_items_redelivers_the_batch_without_running_
     again = await post(receiver, batch("psp-c", "psp-d"))
     assert again.status_code == 200 and again.text == "[accepted]"
     assert await counts(store.pool, effects) == {"psp-c": 1, "psp-d": 1}
+
+
+async def test_a_process_killed_between_adyen_items_redelivers_without_running_either_twice(
+    store: PostgresStore, effects: str, pg_dsn: str
+) -> None:
+    provider = unique("adyen")
+    body = batch("psp-k1", "psp-k2")
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(Path(__file__).parent / "_adyen_crash_child.py"),
+        *(pg_dsn, effects, provider, HMAC_KEY, body.decode()),
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+    )
+    assert await asyncio.wait_for(child.wait(), 60) == -signal.SIGKILL
+    assert await counts(store.pool, effects) == {"psp-k1": 1}  # the second never committed
+
+    async def on_item(item: dict[str, Any], conn: asyncpg.Connection) -> None:
+        await conn.execute(f"INSERT INTO {effects} VALUES ($1)", item["pspReference"])
+
+    receiver = WebhookReceiver(store, provider, wh.adyen_verifier([HMAC_KEY]), on_item)
+    again = await post(receiver, body)  # Adyen had no answer: it sends the batch again
+    assert again.status_code == 200 and again.text == "[accepted]"
+    assert await counts(store.pool, effects) == {"psp-k1": 1, "psp-k2": 1}
 
 
 async def test_a_forged_item_refuses_the_whole_adyen_batch(
