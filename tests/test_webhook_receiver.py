@@ -114,6 +114,25 @@ async def test_a_process_killed_between_adyen_items_redelivers_without_running_e
     assert await counts(store.pool, effects) == {"psp-k1": 1, "psp-k2": 1}
 
 
+async def test_an_adyen_item_resent_signed_with_a_rotated_key_is_a_duplicate(
+    store: PostgresStore, effects: str
+) -> None:
+    """Adyen signs when it sends: after a key rotation, a resend of an item carries another
+    hmacSignature. It is the same event, not an id reused with another payload."""
+    new_key = secrets.token_hex(32)
+
+    async def on_item(item: dict[str, Any], conn: asyncpg.Connection) -> None:
+        await conn.execute(f"INSERT INTO {effects} VALUES ($1)", item["pspReference"])
+
+    verifier = wh.adyen_verifier([HMAC_KEY, new_key])
+    receiver = WebhookReceiver(store, unique("adyen"), verifier, on_item)
+    for key in (HMAC_KEY, new_key):
+        item = wh.sign_adyen_item(adyen_item("psp-r"), key)
+        response = await post(receiver, json.dumps(wh.adyen_batch(item)).encode())
+        assert response.status_code == 200 and response.text == "[accepted]", response.text
+    assert await counts(store.pool, effects) == {"psp-r": 1}
+
+
 async def test_a_forged_item_refuses_the_whole_adyen_batch(
     store: PostgresStore, effects: str
 ) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from consumer_idem.errors import WebhookVerificationError
-from consumer_idem.fingerprint import fingerprint_json
+from consumer_idem.fingerprint import fingerprint_bytes
 from consumer_idem.webhooks._verify import (
     decode_digest,
     hex_key,
@@ -102,7 +102,12 @@ class AdyenVerifier:
         items = batch_items(body)
         for item in items:  # all verify before any runs: a forged item refuses the batch
             self.verify_item(item)
-        return [Delivery(item_identity(item), item, fingerprint_json(item)) for item in items]
+        # the fingerprint is what is signed: a resend after a key rotation carries another
+        # hmacSignature (and may carry other additionalData) for the same event
+        return [
+            Delivery(item_identity(item), item, fingerprint_bytes(signing_string(item)))
+            for item in items
+        ]
 
 
 def adyen_verifier(hmac_keys: Sequence[str]) -> AdyenVerifier:
