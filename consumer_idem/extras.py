@@ -20,6 +20,7 @@ LIBRARIES = {
     "http": "starlette",
     "sqlalchemy": "sqlalchemy",
     "cli": "typer",
+    "webhooks": "cryptography",
 }
 
 

@@ -18,6 +18,7 @@ CASES = [
     ("consumer_idem.faststream", "faststream", "faststream"),
     ("consumer_idem.http", "starlette", "http"),
     ("consumer_idem.webhooks", "starlette", "http"),
+    ("consumer_idem.webhooks.paypal", "cryptography", "webhooks"),
     ("consumer_idem.sqlalchemy", "sqlalchemy", "sqlalchemy"),
 ]
 
@@ -55,3 +56,18 @@ def test_downstream_key_for_needs_no_starlette() -> None:
     from consumer_idem.http import downstream_key_for as old_path
 
     assert ran.stdout.strip() == old_path("payments", "k1")  # the old import path still works
+
+
+def test_the_hmac_senders_need_no_cryptography() -> None:
+    """Only PayPal's RSA needs the ``webhooks`` extra: the other nine work with ``http``, and
+    the PayPal names say which extra they need when first used."""
+    ran = python_without(
+        "cryptography",
+        "import consumer_idem.webhooks as w\n"
+        "w.stripe_verifier(['s'])\nprint('ok')\n"
+        "try:\n    w.paypal_verifier\nexcept ImportError as exc:\n    print(exc)",
+    )
+    assert ran.returncode == 0, ran.stderr
+    lines = ran.stdout.strip().splitlines()
+    assert lines[0] == "ok"
+    assert lines[1].endswith("pip install 'consumer-idem[webhooks]'")
