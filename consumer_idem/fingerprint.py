@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import rfc8785
@@ -44,33 +44,14 @@ def _nested_deeper_than(value: Any, limit: int) -> bool:
 
 #: the integers RFC 8785 accepts (exactly representable as an IEEE 754 double)
 _SAFE_INT = 2**53 - 1
-#: the standard library's C encoder with JCS's separators and no escaping beyond JSON's own:
-#: for the values :func:`_plain` admits its output is RFC 8785's, byte for byte
+#: the standard library's encoder with JCS's separators and no escaping beyond JSON's own: for
+#: the values :func:`_plain` admits its output is RFC 8785's, byte for byte. No cycle check is
+#: needed: :func:`_plain` admits no value nested deeper than :data:`MAX_DEPTH`, so none with a
+#: cycle.
 _PLAIN_ENCODER = json.JSONEncoder(
-    ensure_ascii=False, separators=(",", ":"), sort_keys=True, allow_nan=False
+    ensure_ascii=False, separators=(",", ":"), sort_keys=True, allow_nan=False, check_circular=False
 )
-
-
-def _reused_encoder() -> Callable[[Any], str]:
-    """``_PLAIN_ENCODER.encode`` without building its C encoder on every call (half its cost
-    for a small message). No cycle check is needed: :func:`_plain` admits no value nested
-    deeper than :data:`MAX_DEPTH`, so none with a cycle. Falls back to ``encode`` where the C
-    accelerator is absent or its arguments differ from this interpreter's."""
-    make = getattr(json.encoder, "c_make_encoder", None)
-    try:
-        iterencode = make(  # type: ignore[misc]
-            None, _PLAIN_ENCODER.default, json.encoder.encode_basestring,
-            None, ":", ",", True, False, False,
-        )  # fmt: skip
-        sample = {"b": [1, "\u00e9\n", None, True], "a": {"c": -2}}
-        if "".join(iterencode(sample, 0)) == _PLAIN_ENCODER.encode(sample):
-            return lambda value: "".join(iterencode(value, 0))
-    except TypeError:  # None (no C accelerator), or another signature
-        pass
-    return _PLAIN_ENCODER.encode
-
-
-_encode_plain = _reused_encoder()
+_encode_plain = _PLAIN_ENCODER.encode
 
 
 def _plain(value: Any) -> bool:
