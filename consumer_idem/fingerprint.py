@@ -71,30 +71,24 @@ def _plain(value: Any) -> bool:
         current, depth = stack.pop()
         if depth > MAX_DEPTH:
             return False
-        # inlined checks: this walk runs once per message, in Python
-        if type(current) is dict:
-            for k, child in current.items():
-                if type(k) is not str or (not k.isascii() and max(k) > "\uffff"):
-                    return False
-                t = type(child)
-                if t is str or t is bool or child is None:
-                    continue
-                if t is int:
-                    if -_SAFE_INT <= child <= _SAFE_INT:
-                        continue
-                    return False
-                if t is dict or t is list:
-                    stack.append((child, depth + 1))
-                    continue
+        children = _plain_values(current) if type(current) is dict else current
+        if children is None:
+            return False
+        for child in children:
+            t = type(child)
+            if t is dict or t is list:
+                stack.append((child, depth + 1))
+            elif not (t is str or t is bool or child is None or _plain_scalar(child)):
                 return False
-        else:
-            for child in current:
-                t = type(child)
-                if t is dict or t is list:
-                    stack.append((child, depth + 1))
-                elif not _plain_scalar(child):
-                    return False
     return True
+
+
+def _plain_values(mapping: dict[Any, Any]) -> Iterable[Any] | None:
+    """The values of ``mapping``, or None when a key is not a string within the BMP."""
+    for k in mapping:
+        if type(k) is not str or (not k.isascii() and max(k) > "\uffff"):
+            return None
+    return mapping.values()
 
 
 def _plain_scalar(value: Any) -> bool:
