@@ -230,9 +230,7 @@ class Idempotency:
     async def _send_outgoing(self, message: OutgoingMessage) -> None:
         transport = self.transport
         if isinstance(transport, _Kafka):
-            await transport.publish(
-                message.destination, message.body, message.key, message.headers
-            )
+            await transport.publish(message.destination, message.body, message.key, message.headers)
             return
         assert isinstance(transport, _Rabbit)
         from consumer_idem.transports.rabbit import outgoing_message
