@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import rfc8785
@@ -44,33 +44,14 @@ def _nested_deeper_than(value: Any, limit: int) -> bool:
 
 #: the integers RFC 8785 accepts (exactly representable as an IEEE 754 double)
 _SAFE_INT = 2**53 - 1
-#: the standard library's C encoder with JCS's separators and no escaping beyond JSON's own:
-#: for the values :func:`_plain` admits its output is RFC 8785's, byte for byte
+#: the standard library's encoder with JCS's separators and no escaping beyond JSON's own: for
+#: the values :func:`_plain` admits its output is RFC 8785's, byte for byte. No cycle check is
+#: needed: :func:`_plain` admits no value nested deeper than :data:`MAX_DEPTH`, so none with a
+#: cycle.
 _PLAIN_ENCODER = json.JSONEncoder(
-    ensure_ascii=False, separators=(",", ":"), sort_keys=True, allow_nan=False
+    ensure_ascii=False, separators=(",", ":"), sort_keys=True, allow_nan=False, check_circular=False
 )
-
-
-def _reused_encoder() -> Callable[[Any], str]:
-    """``_PLAIN_ENCODER.encode`` without building its C encoder on every call (half its cost
-    for a small message). No cycle check is needed: :func:`_plain` admits no value nested
-    deeper than :data:`MAX_DEPTH`, so none with a cycle. Falls back to ``encode`` where the C
-    accelerator is absent or its arguments differ from this interpreter's."""
-    make = getattr(json.encoder, "c_make_encoder", None)
-    try:
-        iterencode = make(  # type: ignore[misc]
-            None, _PLAIN_ENCODER.default, json.encoder.encode_basestring,
-            None, ":", ",", True, False, False,
-        )  # fmt: skip
-        sample = {"b": [1, "\u00e9\n", None, True], "a": {"c": -2}}
-        if "".join(iterencode(sample, 0)) == _PLAIN_ENCODER.encode(sample):
-            return lambda value: "".join(iterencode(value, 0))
-    except TypeError:  # None (no C accelerator), or another signature
-        pass
-    return _PLAIN_ENCODER.encode
-
-
-_encode_plain = _reused_encoder()
+_encode_plain = _PLAIN_ENCODER.encode
 
 
 def _plain(value: Any) -> bool:
@@ -90,30 +71,24 @@ def _plain(value: Any) -> bool:
         current, depth = stack.pop()
         if depth > MAX_DEPTH:
             return False
-        # inlined checks: this walk runs once per message, in Python
-        if type(current) is dict:
-            for k, child in current.items():
-                if type(k) is not str or (not k.isascii() and max(k) > "\uffff"):
-                    return False
-                t = type(child)
-                if t is str or t is bool or child is None:
-                    continue
-                if t is int:
-                    if -_SAFE_INT <= child <= _SAFE_INT:
-                        continue
-                    return False
-                if t is dict or t is list:
-                    stack.append((child, depth + 1))
-                    continue
+        children = _plain_values(current) if type(current) is dict else current
+        if children is None:
+            return False
+        for child in children:
+            t = type(child)
+            if t is dict or t is list:
+                stack.append((child, depth + 1))
+            elif not (t is str or t is bool or child is None or _plain_scalar(child)):
                 return False
-        else:
-            for child in current:
-                t = type(child)
-                if t is dict or t is list:
-                    stack.append((child, depth + 1))
-                elif not _plain_scalar(child):
-                    return False
     return True
+
+
+def _plain_values(mapping: dict[Any, Any]) -> Iterable[Any] | None:
+    """The values of ``mapping``, or None when a key is not a string within the BMP."""
+    for k in mapping:
+        if type(k) is not str or (not k.isascii() and max(k) > "\uffff"):
+            return None
+    return mapping.values()
 
 
 def _plain_scalar(value: Any) -> bool:

@@ -36,7 +36,6 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import os
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -138,21 +137,12 @@ def key_attribute(key: str) -> str | None:
     return None
 
 
-#: OpenTelemetry's variable naming a provider to load (read once: set before the process starts)
-_provider_from_environment = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
-
-
 def active() -> bool:
     """Spans are being made: the API is installed, tracing is on and a provider is set."""
     if _trace is None or not _config.enabled:
         return False
     if _config.provider is not None or _config.global_set:
         return True
-    # No global provider yet, and none named by the environment: the API would hand out its
-    # proxy (only non-recording spans). Read from the API's module, because this runs several
-    # times per delivery and the public call looks the variable up in os.environ each time.
-    if getattr(_trace, "_TRACER_PROVIDER", _trace) is None and not _provider_from_environment:
-        return False
     # the API's default provider (a proxy until one is set) makes only non-recording spans
     provider = _trace.get_tracer_provider()
     if isinstance(provider, _trace.ProxyTracerProvider | _trace.NoOpTracerProvider):

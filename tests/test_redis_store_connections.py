@@ -85,7 +85,7 @@ async def test_many_calls_at_once_each_get_a_connection_and_give_it_back(
     assert {o.kind for o in replays} == {OutcomeKind.REPLAYED}
 
 
-# --- read deadlines: the client's socket_timeout, kept by one timer (redis_commands._Deadlines)
+# --- read deadlines: the client's socket_timeout, kept by one timer (redis_compat._Deadlines)
 
 
 @pytest.fixture
@@ -195,7 +195,7 @@ async def test_reads_under_a_socket_timeout_share_one_timer(
 def test_read_deadlines_survive_a_closed_event_loop() -> None:
     """A store outlives an event loop (``asyncio.run`` twice, a test runner's loop per test):
     the timer of the closed loop never fires, so the next loop's calls get one of their own."""
-    from consumer_idem.stores.redis_commands import _Deadlines
+    from consumer_idem.stores.redis_compat import _Deadlines
 
     deadlines = _Deadlines()
 

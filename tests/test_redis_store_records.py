@@ -11,8 +11,8 @@ import redis.asyncio as aioredis
 
 from consumer_idem import Attempt, OutcomeKind, RedisStore, Retryable, run_two_phase
 from consumer_idem.cli.settings import Settings
-from consumer_idem.stores import redis_commands
-from consumer_idem.stores.redis_commands import Commands
+from consumer_idem.stores import redis_compat
+from consumer_idem.stores.redis_compat import Commands
 from consumer_idem.types import DecisionKind, ResultKind, Status, StoredResponse
 
 FP = "v1:jcs:records"
@@ -88,14 +88,14 @@ async def test_a_retry_after_failed_retryable_counts_attempts(
     ],
 )
 def test_hiredis_packs_as_the_connection_would(args: tuple[object, ...]) -> None:
-    assert redis_commands._hiredis_pack is not None, "hiredis comes with the redis extra"
+    assert redis_compat._hiredis_pack is not None, "hiredis comes with the redis extra"
     conn = aioredis.Connection()
     command = (b"EVALSHA", "f" * 40, 1, *args)
-    assert redis_commands._hiredis_pack(command) == b"".join(conn.pack_command(*command))
+    assert redis_compat._hiredis_pack(command) == b"".join(conn.pack_command(*command))
 
 
 async def test_a_client_with_another_encoding_packs_with_redis_py(settings: Settings) -> None:
-    assert redis_commands._hiredis_pack is not None, "hiredis comes with the redis extra"
+    assert redis_compat._hiredis_pack is not None, "hiredis comes with the redis extra"
     client = aioredis.from_url(settings.redis_url, encoding="latin-1")
     try:
         assert Commands(client)._pack is None

@@ -1,20 +1,28 @@
-"""What FastStream keeps only in private attributes, read in one place.
+"""What FastStream keeps only in private or internal attributes, read in this module alone.
 
-Checked with FastStream 0.7.8; each reader says what it relies on, so a FastStream upgrade
-that moves it breaks here, in one small function, and the startup check says so.
+FastStream 0.7 documents brokers, routers, subscribers' decorators, middlewares and the context
+(``ContextRepo``), but not its subscribers' handler list, their parse-and-filter step, nor the
+options a broker was created with: those live on classes of ``faststream._internal``. Each
+reader below names what it stands in for and the FastStream versions it was checked against
+(0.7.8, the version installed with the ``faststream`` extra), so an upgrade that moves one
+breaks here, in one small function, and the tests of the FastStream integration say so.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
+
+#: the FastStream versions these readers were checked against
+CHECKED_WITH = ("0.7.8",)
 
 
 def subscriber_middlewares(subscriber: Any) -> Sequence[Any]:
     """The broker and router middlewares FastStream runs around ``subscriber``'s handler.
 
-    FastStream 0.7 keeps them (broker's, then routers') in the subscriber's private
-    ``_broker_middlewares``; subscribers themselves take no middlewares there.
+    No public API lists them. FastStream 0.7 keeps them (broker's, then routers') in the
+    subscriber's private ``_broker_middlewares``; subscribers themselves take none there.
+    Checked: 0.7.8.
     """
     middlewares = getattr(subscriber, "_broker_middlewares", None)
     if middlewares is None:
@@ -23,3 +31,65 @@ def subscriber_middlewares(subscriber: Any) -> Sequence[Any]:
             "_broker_middlewares (checked with 0.7.8): consumer_idem cannot check its ack policy"
         )
     return tuple(middlewares)
+
+
+def current_subscriber(context: Any) -> Any:
+    """The subscriber running the current delivery. FastStream puts it in its context under
+    ``handler_``, a name it does not document (there is no public accessor). Checked: 0.7.8."""
+    return context.get("handler_")
+
+
+def producer_options(broker: Any) -> Mapping[str, Any]:
+    """The options a broker was created with (``acks``, ``enable_idempotence``...). No public
+    API returns them; FastStream 0.7 keeps them in the broker's private ``_connection_kwargs``
+    (empty when absent, so a missing attribute only means the acks warning is not shown).
+    Checked: 0.7.8."""
+    options = getattr(broker, "_connection_kwargs", None)
+    return options if isinstance(options, Mapping) else {}
+
+
+def handler_calls(subscriber: Any) -> Sequence[Any]:
+    """The handler items of ``subscriber`` (one per decorated function, with its filter):
+    ``subscriber.calls``, an internal ``CallsCollection`` of ``HandlerItem``; no public API
+    lists a subscriber's handlers. Checked: 0.7.8."""
+    return tuple(getattr(subscriber, "calls", ()))
+
+
+def has_publishers(call: Any) -> bool:
+    """Does the handler of ``call`` carry ``@publisher`` decorators? The handler's private
+    ``_publishers``; no public API says whether a handler publishes its result.
+    Checked: 0.7.8."""
+    return bool(getattr(call.handler, "_publishers", None))
+
+
+def is_handler_call(subscriber: Any, call_next: Any) -> bool:
+    """Is ``call_next`` the handler's own call (no middleware between)? Compared with each
+    handler's ``handler.call_wrapped``, internal; no public API tells a middleware what it
+    wraps. Checked: 0.7.8."""
+    return any(call_next == item.handler.call_wrapped for item in handler_calls(subscriber))
+
+
+async def parse_for(call: Any, raw: Any) -> Any:
+    """``raw`` parsed by the handler item ``call`` if its filter accepts it, else None; raises
+    the parser's error. ``HandlerItem.is_suitable``, internal (FastStream runs it when it routes
+    a delivery; no public API routes one message). Checked: 0.7.8."""
+    return await call.is_suitable(raw, {})
+
+
+async def call_with_middleware(
+    call: Any, parsed: Any, middleware: Callable[..., Awaitable[Any]]
+) -> Any:
+    """Run the handler item ``call`` on ``parsed`` with ``middleware`` (a ``consume_scope``)
+    innermost: ``HandlerItem.call`` and its private ``_extra_middlewares`` argument, as
+    FastStream's own subscriber calls it; no public API runs a handler on a message of one's
+    choosing. Checked: 0.7.8."""
+    return await call.call(message=parsed, _extra_middlewares=[middleware])
+
+
+def runs_partitions_apart(subscriber: Any) -> tuple[int, bool]:
+    """``(max_workers, one consumer per worker)`` of a Kafka subscriber: the attributes
+    ``max_workers`` and ``consumer_subgroup`` of FastStream's internal concurrent subscriber
+    classes (a subscriber with a subgroup keeps each partition on one worker); the public
+    side is only the ``max_workers`` argument. Checked: 0.7.8."""
+    workers = getattr(subscriber, "max_workers", 1) or 1
+    return workers, hasattr(subscriber, "consumer_subgroup")

@@ -34,6 +34,7 @@ from faststream import Context, StreamMessage
 
 from consumer_idem.consumer import Verdict, reconcile_notice, settled_by_commit
 from consumer_idem.errors import IdempotencyConfigError, PoisonMessage
+from consumer_idem.faststream import _compat
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import Notice
 from consumer_idem.outbox import UnitOutbox, outbox_for
@@ -41,7 +42,9 @@ from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.transports import settle
 
 if TYPE_CHECKING:
-    from consumer_idem.faststream import Idempotency, _Call, _Kafka
+    from consumer_idem.faststream.context import _Call
+    from consumer_idem.faststream.idempotency import Idempotency
+    from consumer_idem.faststream.kafka_side import _Kafka
 
 log = logging.getLogger("consumer_idem.faststream")
 
@@ -90,13 +93,13 @@ def members(
     idem: Idempotency, subscriber: Any, message: StreamMessage[Any]
 ) -> list[ConsumerMessage]:
     """The records of a batch delivery, after checking that the subscriber can run them."""
-    from consumer_idem.faststream import _Kafka
+    from consumer_idem.faststream.kafka_side import _Kafka
     from consumer_idem.transports.kafka import to_message
 
     if not isinstance(idem.transport, _Kafka):
         raise IdempotencyConfigError("only Kafka delivers batches to a FastStream subscriber")
-    for call in getattr(subscriber, "calls", ()):
-        if getattr(call.handler, "_publishers", None):
+    for call in _compat.handler_calls(subscriber):
+        if _compat.has_publishers(call):
             raise IdempotencyConfigError(
                 "a batch subscriber's return value is one message for the whole batch, which "
                 "a redelivery of part of it could not reproduce: drop its publishers and "
@@ -111,7 +114,8 @@ async def handle(
 ) -> list[Any]:
     """The core's batch handler: FastStream's handler over ``messages`` (all of the delivery,
     or the part the core runs), one stored result per message."""
-    from consumer_idem.faststream import _ACKED, _call, _store_form
+    from consumer_idem.faststream.handler_call import _ACKED, _call
+    from consumer_idem.faststream.results import _store_form
 
     consumer = idem.batch_consumer
     keys = []
@@ -140,7 +144,7 @@ async def handle(
 def _narrowed(message: StreamMessage[Any], run: Sequence[ConsumerMessage]) -> StreamMessage[Any]:
     """The delivery as FastStream would have made it of the records in ``run`` only (its
     decoder reads ``raw_message``), guarded as the per-message handler's delivery is."""
-    from consumer_idem.faststream import guarded
+    from consumer_idem.faststream.handler_call import guarded
 
     position = {id(record): i for i, record in enumerate(message.raw_message)}
     picked = [position[id(m.raw)] for m in run]
@@ -157,7 +161,7 @@ def innermost(subscriber: Any, call_next: Any) -> bool:
     """Is ``call_next`` the handler's own call, with no middleware inside this one? Only then
     does nothing run between this middleware and the handler's decode: a middleware inside it
     may change what the decoder reads (the records in place, a header, a context variable)."""
-    return any(call_next == item.handler.call_wrapped for item in getattr(subscriber, "calls", ()))
+    return _compat.is_handler_call(subscriber, call_next)
 
 
 class DecodedAhead:

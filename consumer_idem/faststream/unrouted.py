@@ -29,7 +29,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from consumer_idem.consumer import Action, Verdict
-from consumer_idem.faststream import batch
+from consumer_idem.faststream import _compat, batch
 
 if TYPE_CHECKING:
     from consumer_idem.faststream import Idempotency
@@ -53,7 +53,7 @@ async def settle_unrouted(idem: Idempotency, context: Any, raw: Any) -> bool:
     swallowed it), the delivery is routed again to find out."""
     from consumer_idem.transports.kafka import to_message
 
-    subscriber = context.get("handler_")
+    subscriber = _compat.current_subscriber(context)
     records = kafka_records(idem, raw)
     if subscriber is None or not records:
         return False
@@ -82,7 +82,7 @@ async def settle_unrouted(idem: Idempotency, context: Any, raw: Any) -> bool:
 
 def kafka_records(idem: Idempotency, raw: Any) -> list[Any]:
     """The records of a Kafka delivery (one, or a batch's); empty for anything else."""
-    from consumer_idem.faststream import _Kafka
+    from consumer_idem.faststream.kafka_side import _Kafka
 
     records = list(raw) if isinstance(raw, tuple | list) else [raw]
     if not isinstance(idem.transport, _Kafka) or not all(hasattr(r, "offset") for r in records):
@@ -92,7 +92,7 @@ def kafka_records(idem: Idempotency, raw: Any) -> list[Any]:
 
 def seek_back(idem: Idempotency, subscriber: Any, records: list[Any]) -> None:
     """Deliver each partition of a Kafka delivery again from its first record."""
-    from consumer_idem.faststream import _Kafka
+    from consumer_idem.faststream.kafka_side import _Kafka
 
     assert isinstance(idem.transport, _Kafka)
     first: dict[tuple[str, int], int] = {}
@@ -133,9 +133,9 @@ async def _refused(
 async def _route(subscriber: Any, raw: Any) -> tuple[Any, Any] | None:
     """The first handler accepting ``raw`` and the message it parsed, or None; raises the
     parser's or filter's data error, or :class:`_Outage` for any other."""
-    for call in subscriber.calls:
+    for call in _compat.handler_calls(subscriber):
         try:
-            parsed = await call.is_suitable(raw, {})
+            parsed = await _compat.parse_for(call, raw)
         except DATA_ERRORS:
             raise
         except Exception as exc:
@@ -151,9 +151,9 @@ def _dead(idem: Idempotency, reason: str, why: str) -> Verdict:
 
 async def _parse_error(subscriber: Any, raw: Any) -> str | None:
     """Why the subscriber's parser refuses ``raw``, or None when it parses."""
-    for call in subscriber.calls:
+    for call in _compat.handler_calls(subscriber):
         try:
-            await call.is_suitable(raw, {})
+            await _compat.parse_for(call, raw)
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
     return None
@@ -165,7 +165,8 @@ async def _run_rest(
     """The verdicts of a batch's parseable records, run through the middleware as the batch
     FastStream would have delivered without the refused ones (unsettled: the caller settles
     every record of the delivery in offset order)."""
-    from consumer_idem.faststream import _Middleware, _Settled
+    from consumer_idem.faststream.context import _Settled
+    from consumer_idem.faststream.middleware import _Middleware
 
     try:
         found = await _route(subscriber, rest)
@@ -176,6 +177,6 @@ async def _run_rest(
     call, parsed = found
     middleware = _Middleware(rest, context=context, idem=idem)
     with contextlib.suppress(_Settled):  # raised by the middleware once it has verdicts
-        await call.call(message=parsed, _extra_middlewares=[middleware.consume_scope])
+        await _compat.call_with_middleware(call, parsed, middleware.consume_scope)
     verdicts = middleware.verdicts or []
     return {id(r): verdicts[i] if i < len(verdicts) else None for i, r in enumerate(rest)}

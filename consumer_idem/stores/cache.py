@@ -19,7 +19,7 @@ Three rules keep it so:
   the evict, however late its fill arrives, in this process or any other, cannot bring the entry
   back. A ticket lives in the caller's task (a context variable), never shared between callers.
 * **A cancelled caller is not an outage.** Each lookup is its own command on its own connection
-  (see :mod:`~consumer_idem.stores.redis_commands`): cancelling one caller cancels only its
+  (see :mod:`~consumer_idem.stores.redis_compat`): cancelling one caller cancels only its
   command (that connection is dropped), never another caller's, and never opens the breaker,
   which only errors and timeouts do.
 """
@@ -39,7 +39,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol, TypeVar
 
 from consumer_idem.metrics import Metrics
-from consumer_idem.stores.redis_commands import Commands
+from consumer_idem.stores.redis_compat import Commands
 from consumer_idem.types import Record, ResultKind, Status, StoredResponse
 
 log = logging.getLogger("consumer_idem.stores.cache")
@@ -93,7 +93,7 @@ class CompletedCache:
     is as short, else by a timer of the cache's): a slow Redis counts as an outage and falls
     through to Postgres. A client made with ``socket_timeout=None`` spares the cache's timer
     when the cache's bound is the shorter (a client's socket timeout costs no timer per
-    command: see :mod:`~consumer_idem.stores.redis_commands`). Keys start with
+    command: see :mod:`~consumer_idem.stores.redis_compat`). Keys start with
     ``prefix``, then the store's database and schema (read once from Postgres, on first use),
     then scope and key. Entries live for ``min(ttl, the record's remaining retention)``.
 

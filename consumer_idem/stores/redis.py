@@ -30,7 +30,7 @@ from consumer_idem.stores.base import (
     StoreBase,
     checked_duration,
 )
-from consumer_idem.stores.redis_commands import Commands
+from consumer_idem.stores.redis_compat import Commands
 from consumer_idem.stores.results import encode_result
 from consumer_idem.types import (
     Decision,
@@ -274,7 +274,7 @@ class RedisStore(StoreBase):
         )
         self.redis = redis
         self.prefix = prefix
-        # reserve and complete go to the server directly: see redis_commands
+        # reserve and complete go to the server directly: see redis_compat
         self._commands = Commands(redis)
         self._reserve = redis.register_script(_RESERVE)
         self._owner = redis.register_script(_OWNER)
@@ -291,7 +291,7 @@ class RedisStore(StoreBase):
         self, operation: str, scope: str, script: Any, key: str, args: tuple[Any, ...]
     ) -> Any:
         """``script`` on ``key``: one command, one round trip (see
-        :mod:`~consumer_idem.stores.redis_commands`), through :meth:`_run`."""
+        :mod:`~consumer_idem.stores.redis_compat`), through :meth:`_run`."""
         return await self._run(
             operation, scope, lambda: self._commands.evalsha(script, [key], args)
         )

@@ -1,0 +1,245 @@
+"""The :class:`Idempotency` middleware factory: configuration, the core consumer, publishing."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, Unpack
+
+from consumer_idem.consumer import (
+    IdempotentConsumer,
+)
+from consumer_idem.errors import (
+    IdempotencyConfigError,
+)
+from consumer_idem.execution import Attempt
+from consumer_idem.faststream import batch, startup
+from consumer_idem.faststream.batch import (
+    CurrentIdempotencyBatch as CurrentIdempotencyBatch,
+)
+from consumer_idem.faststream.batch import (
+    IdempotencyBatchContext as IdempotencyBatchContext,
+)
+from consumer_idem.faststream.budget import RabbitBudget
+from consumer_idem.faststream.context import (
+    _CURRENT,
+    DEFAULT_RECONCILE_DESTINATION,
+    IdempotencyContext,
+)
+from consumer_idem.faststream.handler_call import _ACKED, _call, guarded
+from consumer_idem.faststream.kafka_side import _Kafka
+from consumer_idem.faststream.middleware import _Middleware
+from consumer_idem.faststream.rabbit_side import _Rabbit
+from consumer_idem.faststream.relay import OutboxRelayTask, faststream_route
+from consumer_idem.faststream.results import _ACK_ONLY, _store_form
+from consumer_idem.faststream.settler import _Settler, _Transport
+from consumer_idem.message import ConsumerMessage
+from consumer_idem.notice import Notice
+from consumer_idem.options import ConsumerArgs, ConsumerOptions, Mode
+from consumer_idem.outbox import (
+    OutgoingMessage,
+    attach_dispatcher,
+    outbox_for,
+    send_all,
+)
+from consumer_idem.stores.postgres.store import PostgresStore
+from consumer_idem.transports import settle
+from consumer_idem.transports.settle import RunnerStats
+
+log = logging.getLogger("consumer_idem.faststream")
+
+
+class Idempotency:
+    """A FastStream middleware factory making subscribers idempotent (see the module docstring).
+
+    ``store``: a :class:`PostgresStore`, or a callable returning it (for apps that open their
+    pool on startup). ``broker``: the ``KafkaBroker`` or ``RabbitBroker`` the subscribers belong
+    to; dead letters, reconciliation notices and re-dispatches are published through it.
+    The other arguments are those of :func:`consumer_idem.idempotent_consumer`, plus:
+
+    * ``dead_letter``: destination for poison messages: a name, or a callable of the source
+      topic/queue (default ``<source>.dlq``);
+    * ``reconcile_destination``: topic or queue for notices of ``unknown`` outcomes;
+    * ``max_deliveries`` (RabbitMQ): a key whose handler ran this many times without settling
+      (it keeps failing, or killing the consumer) is dead-lettered without running again;
+      only the key's own runs count, not the broker's returns, and a key whose record says it
+      completed is acked, never dead-lettered (:mod:`consumer_idem.faststream.budget`);
+    * ``declare`` (RabbitMQ): declare the dead-letter and notice queues (durable, quorum);
+    * ``max_hold`` (RabbitMQ): how long a delivery waiting for the store or for another owner
+      stays in hand before it is handed back as a copy (keep it under ``consumer_timeout``).
+
+    It also serves as the transport of a :class:`~consumer_idem.operations.reconcile.Sweeper` or
+    :class:`~consumer_idem.operations.reconcile.Reconciler` (``publish_notice``, ``redispatch``),
+    and as the sender of the outbox (``send_batch``): what a handler publishes through
+    :data:`IdempotentOutbox` goes out through ``broker`` right after the commit, and a relay
+    sends what a crash or an outage left behind (``idem.outbox_relay``, see
+    :mod:`consumer_idem.faststream.relay`):
+
+    * ``outbox_relay``: seconds between the relay's passes (None: run no relay here);
+    * ``app``: the ``FastStream`` app: the relay starts once it has started its broker and
+      stops before it stops it (without it: at the first delivery, and with the broker).
+    """
+
+    def __init__(
+        self,
+        store: PostgresStore | Callable[[], PostgresStore],
+        *,
+        broker: Any,
+        scope: str,
+        mode: Mode = "transactional",
+        dead_letter: str | Callable[[str], str] | None = None,
+        reconcile_destination: str = DEFAULT_RECONCILE_DESTINATION,
+        max_deliveries: int | None = 20,
+        declare: bool = True,
+        max_hold: float | None = 600.0,
+        outbox_relay: float | None = 5.0,
+        app: Any = None,
+        **options: Unpack[ConsumerArgs],
+    ) -> None:
+        self._store_source = store
+        self.options = ConsumerOptions(scope=scope, mode=mode, **options)
+        self.scope = scope
+        self._consumer: IdempotentConsumer | None = None
+        if isinstance(store, PostgresStore):
+            self._consumer = self._build(store)
+        elif not callable(store):  # fail here, not on the first message
+            raise TypeError("store must be a PostgresStore or a callable returning one")
+        self.broker = broker
+        self.dead_letter = dead_letter
+        self.reconcile_destination = reconcile_destination
+        self.max_deliveries = max_deliveries
+        self.declare = declare
+        self.max_hold = max_hold
+        self.stats = RunnerStats()
+        self.transport = self._transport_for(broker)
+        #: the outbox sender's route: the broker's transport and cluster (see .relay)
+        self.route = faststream_route(
+            broker, "kafka" if isinstance(self.transport, _Kafka) else "amqp"
+        )
+        #: the relay of what a crash or an outage left in the outbox (see .relay)
+        self.outbox_relay = OutboxRelayTask(self, outbox_relay, app)
+        #: RabbitMQ's delivery budget, counted per key in Postgres
+        self.budget = RabbitBudget(self) if isinstance(self.transport, _Rabbit) else None
+        self._batch_consumer: IdempotentConsumer | None = None
+        startup.guard_start(self, broker)  # unsafe subscribers refused before any fetch
+
+    def _build(self, store: PostgresStore) -> IdempotentConsumer:
+        attach_dispatcher(store, self, [self.scope])  # the outbox goes out through the broker
+        return IdempotentConsumer(self._handle, store=store, options=self.options)
+
+    def _transport_for(self, broker: Any) -> _Transport:
+        kinds: list[tuple[str, str, type[_Kafka] | type[_Rabbit]]] = [
+            ("faststream.kafka", "KafkaBroker", _Kafka),
+            ("faststream.rabbit", "RabbitBroker", _Rabbit),
+        ]
+        for module, name, transport in kinds:
+            try:
+                broker_type = getattr(__import__(module, fromlist=[name]), name)
+            except ImportError:
+                continue
+            if isinstance(broker, broker_type):
+                return transport(self, broker)
+        raise IdempotencyConfigError(
+            f"broker must be a FastStream KafkaBroker or RabbitBroker, not {type(broker).__name__}"
+        )
+
+    # --- configuration the transports read -----------------------------------------------------
+
+    @property
+    def consumer(self) -> IdempotentConsumer:
+        """The core :class:`IdempotentConsumer` (built on first use when ``store`` is a
+        callable)."""
+        if self._consumer is None:
+            store = self._store_source
+            assert not isinstance(store, PostgresStore)
+            self._consumer = self._build(store())
+        return self._consumer
+
+    @property
+    def batch_consumer(self) -> IdempotentConsumer:
+        """The core consumer of Kafka batch subscribers: the same options in batch mode (see
+        :mod:`consumer_idem.faststream.batch`)."""
+        if self._batch_consumer is None:
+            if self.options.mode != "transactional":
+                raise IdempotencyConfigError(
+                    "a batch subscriber commits its batch in one transaction: transactional "
+                    "mode only (two-phase runs external I/O per message: subscribe without "
+                    "batch=True)"
+                )
+            self._batch_consumer = IdempotentConsumer(
+                self._handle_batch, store=self.store, options=replace(self.options, batch=True)
+            )
+        return self._batch_consumer
+
+    @property
+    def store(self) -> PostgresStore:
+        return self.consumer.store
+
+    def dead_letter_destination(self, source: str) -> str:
+        if self.dead_letter is None:
+            return f"{source}.dlq"
+        return self.dead_letter(source) if callable(self.dead_letter) else self.dead_letter
+
+    # --- FastStream's middleware protocol ------------------------------------------------------
+
+    def __call__(self, msg: Any, /, *, context: Any) -> _Middleware:
+        return _Middleware(msg, context=context, idem=self)
+
+    # --- the handler the core runs -------------------------------------------------------------
+
+    async def _handle(self, message: ConsumerMessage, arg: Any) -> Any:
+        call = _CURRENT.get()
+        attempt = arg if isinstance(arg, Attempt) else None
+        conn = None if attempt is not None else arg
+        ctx = IdempotencyContext(
+            scope=self.scope,
+            key=call.key,
+            message=message,
+            conn=conn,
+            attempt=attempt,
+            outbox=None if conn is None else outbox_for(conn),
+        )
+        result = await _call(call, ctx, guarded(call.message))
+        return dict(_ACK_ONLY) if result is _ACKED else _store_form(result)
+
+    async def _handle_batch(self, messages: Sequence[ConsumerMessage], conn: Any) -> list[Any]:
+        return await batch.handle(self, _CURRENT.get(), messages, conn)
+
+    # --- publishing, also for Sweeper / Reconciler (consumer_idem.transports.settle.Publisher) ----
+
+    async def publish_notice(
+        self, scope: str, key: str, body: bytes, *, subscriber: Any = None
+    ) -> bool:
+        """Publish a reconciliation notice (confirmed) and record that it was published."""
+        return await settle.publish_notice(_Settler(self, subscriber), scope, key, body, hold=False)
+
+    async def redispatch(self, notice: Notice) -> bool:
+        """Send the original message of a notice back to where it came from, to run once."""
+        return await settle.redispatch(_Settler(self), notice)
+
+    # --- the outbox's sender (consumer_idem.outbox.OutboxSender) -------------------------------
+
+    def permanent(self, exc: BaseException) -> bool:
+        return self.transport.permanent(exc)
+
+    async def send_batch(self, messages: Sequence[OutgoingMessage]) -> list[BaseException | None]:
+        """Publish outgoing messages of the outbox through the broker, each confirmed."""
+        return await send_all(self._send_outgoing, messages, self.permanent)
+
+    async def _send_outgoing(self, message: OutgoingMessage) -> None:
+        transport = self.transport
+        if isinstance(transport, _Kafka):
+            await transport.publish(message.destination, message.body, message.key, message.headers)
+            return
+        assert isinstance(transport, _Rabbit)
+        from consumer_idem.transports.rabbit import outgoing_message
+
+        amqp = outgoing_message(message)
+        await transport.publish(
+            message.destination,
+            message.body,
+            dict(amqp.headers),
+            message_id=amqp.message_id,
+            content_type=amqp.content_type,
+        )
