@@ -163,7 +163,10 @@ async def test_a_caller_named_anonymous_never_shares_the_anonymous_keys(
 
     app = Starlette(routes=[Route("/orders", create, methods=["POST"])])
     app.add_middleware(
-        IdempotencyMiddleware, store=store, caller=lambda c: c.headers.get("x-merchant-id")
+        IdempotencyMiddleware,
+        store=store,
+        caller=lambda c: c.headers.get("x-merchant-id"),
+        shared_keys=True,  # requests naming no merchant may share the anonymous keys
     )
     h = {"Idempotency-Key": scope}
     async with client_for(app) as c:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from consumer_idem.errors import InvalidKey, KeyHeaderError
 from consumer_idem.http import responses
 from consumer_idem.http.asgi import Receive, Scope, Send
+from consumer_idem.http.callers import ANONYMOUS
 from consumer_idem.http.key_header import HEADER, parse_key_header
 from consumer_idem.http.keyed_request import KeyedRequest
 from consumer_idem.http.reading import ClientGone, TooLarge, read_body, request_fingerprint
@@ -25,6 +26,11 @@ log = logging.getLogger("consumer_idem.http")
 
 class CallerUnknown(Exception):
     """``caller(conn)`` raised: the request does not say whose it is."""
+
+
+class CallerMissing(Exception):
+    """``caller(conn)`` named nobody (and no principal is authenticated), on a route that
+    takes no anonymous requests: ``caller=`` is there to keep callers apart."""
 
 
 def routed(router: object, scope: Scope) -> Routed:
@@ -61,7 +67,7 @@ async def admit(
         return None
     try:
         return await _read(middleware, route, raw, scope, receive, send)
-    except (KeyHeaderError, InvalidKey, TooLarge, CallerUnknown, ClientGone) as exc:
+    except (KeyHeaderError, InvalidKey, TooLarge, CallerUnknown, CallerMissing, ClientGone) as exc:
         await _refuse(middleware, method, route.template, exc, send)
         return None
 
@@ -83,9 +89,11 @@ async def _read(
         caller = middleware.caller_of(scope, route.hosts)
     except Exception as exc:
         raise CallerUnknown from exc
+    options = route.options
+    if _refuses_anonymous(middleware, options) and caller.split("|", 1)[0] == ANONYMOUS:
+        raise CallerMissing
     method = scope["method"]
     record_scope, key = middleware.store.check(f"http:{caller}:{method} {route.template}", key)
-    options = route.options
     return KeyedRequest(
         middleware=middleware,
         scope=scope,
@@ -110,6 +118,16 @@ async def _read(
     )
 
 
+def _refuses_anonymous(middleware: IdempotencyMiddleware, options: RouteOptions) -> bool:
+    """Is a request whose ``caller=`` names nobody refused (401) on this route? Unless the
+    route (``@idempotent(anonymous=True)``) or the middleware (``shared_keys=True``) takes
+    anonymous requests, which then share one key space. Without ``caller=``, requests with
+    no principal are anonymous by the middleware's set-up (``shared_keys=True``)."""
+    if middleware.caller is None:
+        return False
+    return not (middleware.shared_keys if options.anonymous is None else options.anonymous)
+
+
 async def _refuse(
     middleware: IdempotencyMiddleware, method: str, route: str, exc: Exception, send: Send
 ) -> None:
@@ -118,7 +136,10 @@ async def _refuse(
         middleware.count(method, route, "invalid_key")
         await send_response(send, responses.key_invalid(str(exc)))
     elif isinstance(exc, TooLarge):
-        await send_response(send, responses.BODY_TOO_LARGE)
+        await send_response(send, responses.body_too_large(middleware.max_body))
+    elif isinstance(exc, CallerMissing):
+        middleware.count(method, route, "caller_missing")
+        await send_response(send, responses.CALLER_MISSING)
     elif isinstance(exc, CallerUnknown):
         # the caller function failed (a header it reads is missing): whose key this is
         # cannot be told, so it takes no part; the cause goes to the log only

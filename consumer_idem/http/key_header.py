@@ -7,7 +7,9 @@ import re
 from consumer_idem.errors import KeyHeaderError
 
 HEADER = b"idempotency-key"
-_TOKEN = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~:/=-]{1,255}")
+#: a bare token, of any length: a long one is told its length, not that it is malformed
+_TOKEN = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~:/=-]+")
+MAX_KEY = 255
 #: one RFC 8941 parameter: ``;key`` or ``;key=bare-item``
 _PARAMETER = re.compile(
     r";[ ]*[a-z*][a-z0-9_.*-]*(?:=(?:"
@@ -31,8 +33,8 @@ def parse_key_header(value: str) -> str:
         key = value
     else:
         raise KeyHeaderError("the key must be a quoted string or a token of [A-Za-z0-9._~:/=-]")
-    if not 1 <= len(key) <= 255:
-        raise KeyHeaderError("the key must be 1 to 255 characters long")
+    if not 1 <= len(key) <= MAX_KEY:
+        raise KeyHeaderError(f"the key must be 1 to {MAX_KEY} characters long, not {len(key)}")
     return key
 
 

@@ -54,9 +54,23 @@ def key_invalid(why: str) -> Response:
     return problem(400, "idempotency-key-invalid", "Invalid Idempotency-Key", why)
 
 
-BODY_TOO_LARGE = problem(413, "body-too-large", "Request body too large")
+def body_too_large(limit: int) -> Response:
+    return problem(
+        413,
+        "body-too-large",
+        "Request body too large",
+        f"the body may be at most {limit} bytes long",
+    )
+
+
 CALLER_UNKNOWN = problem(
     400, "caller-unknown", "Caller unknown", "the request does not say whose it is"
+)
+CALLER_MISSING = problem(
+    401,
+    "caller-missing",
+    "Caller missing",
+    "the request names no caller, and this route takes no anonymous requests",
 )
 KEY_REUSED = problem(
     422,

@@ -23,6 +23,7 @@ class RouteOptions:
     mode: Mode | None = None
     fail_open: bool | None = None
     wait: float | None = None
+    anonymous: bool | None = None
 
 
 def idempotent(
@@ -31,15 +32,19 @@ def idempotent(
     mode: Mode | None = None,
     fail_open: bool | None = None,
     wait: float | None = None,
+    anonymous: bool | None = None,
 ) -> Callable[[Any], Any]:
     """Per-route options (``None`` keeps the middleware's default). ``wait``: seconds a
     duplicate that meets this route's first request in flight waits for its result (then
-    replays it) before answering 409."""
+    replays it) before answering 409. ``anonymous``: whether a request whose ``caller=``
+    names nobody (and that has no authenticated principal) may take part, in the one
+    ``anonymous`` key space all such requests share (default: the middleware's
+    ``shared_keys``); refused with a 401 otherwise."""
     if wait is not None and wait < 0:
         raise ConfigurationError("wait is a number of seconds, 0 or more")
 
     def mark(endpoint: Any) -> Any:
-        endpoint.__consumer_idem__ = RouteOptions(True, required, mode, fail_open, wait)
+        endpoint.__consumer_idem__ = RouteOptions(True, required, mode, fail_open, wait, anonymous)
         return endpoint
 
     return mark
