@@ -32,6 +32,9 @@ from tests._failover import (
     pair_script,
 )
 
+#: the HTTP tests' shared fixtures
+pytest_plugins = ["tests._http"]
+
 ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

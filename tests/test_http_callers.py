@@ -1,10 +1,13 @@
-"""Callers never share keys by accident, and metric labels stay bounded whatever the callers."""
+"""Callers never share keys by accident: authenticated principals, ``caller=`` values and no
+caller are three namespaces (a caller shaped like a hashed label or named ``anonymous`` shares
+nobody's keys), a failing ``caller=`` is a 400, and metric labels stay bounded whatever the
+callers."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
-import httpx
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
@@ -14,7 +17,13 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from consumer_idem import Metrics, PostgresStore
-from consumer_idem.http import ConfigurationError, IdempotencyMiddleware
+from consumer_idem.http import (
+    ConfigurationError,
+    IdempotencyMiddleware,
+    idempotent,
+)
+from consumer_idem.http.callers import _caller_label
+from tests._http import client_for, is_problem
 
 
 class BearerUser(AuthenticationBackend):
@@ -35,11 +44,6 @@ def whoami_app(runs: list[str]) -> Starlette:
         return JSONResponse({"created_for": name}, status_code=201)
 
     return Starlette(routes=[Route("/things", create, methods=["POST"])])
-
-
-def client_for(app: Any) -> httpx.AsyncClient:
-    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-    return httpx.AsyncClient(transport=transport, base_url="http://test")
 
 
 def test_no_way_to_tell_callers_apart_refuses_to_start(store: PostgresStore) -> None:
@@ -120,3 +124,95 @@ async def test_metric_labels_are_bounded_and_the_registry_is_yours(
     }
     assert http[("/things", "POST", "executed")] == 5
     assert http[("/things", "POST", "replayed")] == 5
+
+
+async def test_a_caller_shaped_like_a_hashed_label_never_shares_keys(
+    store: PostgresStore, scope: str
+) -> None:
+    async def me(request: Request) -> JSONResponse:
+        return JSONResponse({"account": request.headers["x-account"]}, status_code=201)
+
+    app = Starlette(routes=[Route("/statements", me, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, caller=lambda c: c.headers["x-account"])
+    victim = "accounts-payable-department-of-some-very-large-corporation-emea-1"  # > 64
+    attacker = "sha256." + hashlib.sha256(victim.encode()).hexdigest()[:40]
+    h = {"Idempotency-Key": scope}
+    async with client_for(app) as c:
+        await c.post("/statements", json={}, headers={**h, "x-account": victim})
+        stolen = await c.post("/statements", json={}, headers={**h, "x-account": attacker})
+    assert "idempotent-replayed" not in stolen.headers
+    assert stolen.json() == {"account": attacker}
+    assert _caller_label(attacker) != _caller_label(victim)
+
+
+def test_verbatim_and_hashed_caller_labels_are_distinct_namespaces() -> None:
+    long = "x" * 65
+    hashed = _caller_label(long)
+    assert hashed.startswith("sha256.")
+    for verbatim in (hashed, "sha256.", "sha256.abc", "SHA256.x"):
+        label = _caller_label(verbatim)
+        assert not label.startswith("sha256."), label
+    assert _caller_label("acme") == "acme"  # ordinary callers keep their readable label
+
+
+async def test_a_caller_named_anonymous_never_shares_the_anonymous_keys(
+    store: PostgresStore, scope: str
+) -> None:
+    async def create(request: Request) -> JSONResponse:
+        return JSONResponse({"merchant": request.headers.get("x-merchant-id")}, status_code=201)
+
+    app = Starlette(routes=[Route("/orders", create, methods=["POST"])])
+    app.add_middleware(
+        IdempotencyMiddleware,
+        store=store,
+        caller=lambda c: c.headers.get("x-merchant-id"),
+        shared_keys=True,  # requests naming no merchant may share the anonymous keys
+    )
+    h = {"Idempotency-Key": scope}
+    async with client_for(app) as c:
+        named = await c.post("/orders", json={}, headers={**h, "x-merchant-id": "anonymous"})
+        nobody = await c.post("/orders", json={}, headers=h)
+    assert named.json() == {"merchant": "anonymous"}
+    assert "idempotent-replayed" not in nobody.headers and nobody.json() == {"merchant": None}
+
+
+def test_caller_labels_of_different_sources_never_meet(store: PostgresStore) -> None:
+    class User:
+        is_authenticated = True
+
+        def __init__(self, identity: str) -> None:
+            self.identity = identity
+
+    def label(value: str | None, user: str | None = None) -> str:
+        middleware = IdempotencyMiddleware(
+            Starlette(), store=store, caller=lambda c: value, shared_keys=True
+        )
+        return middleware.caller_of({"type": "http", "user": user and User(user)})
+
+    principals = {label(None, u) for u in ("bob", "u.bob", "x" * 80, "anonymous")}
+    callers = {label(v) for v in ("u.bob", "bob", "user:bob", "anonymous", "c.bob", "x" * 80)}
+    callers |= {label(v) for v in ("u.u.bob", "%75.bob", "sha256.x", "U.bob")}
+    assert label(None) == "anonymous" and label(None, "bob") == "u.bob"
+    assert label("acme") == "acme"  # ordinary callers keep their readable label
+    assert "anonymous" not in principals | callers
+    assert not principals & callers
+    assert len(callers) == 10 and len(principals) == 4
+
+
+async def test_a_caller_function_that_raises_is_a_400_not_a_500(
+    store: PostgresStore, scope: str
+) -> None:
+    runs: list[str] = []
+
+    async def create(request: Request) -> JSONResponse:
+        runs.append("x")
+        return JSONResponse({}, status_code=201)
+
+    app = Starlette(routes=[Route("/orders", idempotent(required=True)(create), methods=["POST"])])
+    app.add_middleware(
+        IdempotencyMiddleware, store=store, caller=lambda c: c.headers["x-merchant-id"]
+    )
+    async with client_for(app) as c:
+        r = await c.post("/orders", json={}, headers={"Idempotency-Key": scope})
+    assert is_problem(r, 400, "caller-unknown"), r.text
+    assert "x-merchant-id" not in r.text and runs == []

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
-import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -17,25 +16,13 @@ from starlette.routing import Route
 
 from consumer_idem import PostgresStore, Status
 from consumer_idem.http import IdempotencyMiddleware, idempotent
+from tests._http import client_for, is_problem
 
 
 @pytest.fixture(scope="module")
 async def table(pg_pool: asyncpg.Pool) -> str:
     await pg_pool.execute("CREATE TABLE IF NOT EXISTS http_fault_rows (id text PRIMARY KEY)")
     return "http_fault_rows"
-
-
-def client_for(app: Any) -> httpx.AsyncClient:
-    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-    return httpx.AsyncClient(transport=transport, base_url="http://test")
-
-
-def is_problem(r: httpx.Response, status: int, kind: str) -> bool:
-    return (
-        r.status_code == status
-        and r.headers["content-type"] == "application/problem+json"
-        and r.json()["type"].endswith(kind)
-    )
 
 
 @pytest.fixture
@@ -241,3 +228,40 @@ async def test_two_phase_local_write_that_swallows_an_error_parks_unknown(
     assert r.status_code == 503 and "idempotent-replayed" not in r.headers
     record = await store.get("http:anonymous:POST /charges", scope)
     assert record is not None and record.status is Status.UNKNOWN and record.response is None
+
+
+async def test_two_phase_store_loss_after_the_endpoint_ran_says_outcome_unknown(
+    pg_dsn: str, pg_pool: asyncpg.Pool, scope: str
+) -> None:
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=4)
+    assert pool is not None
+    store = PostgresStore(pool, command_timeout=5)
+    runs: list[str] = []
+
+    async def charge(request: Request) -> JSONResponse:
+        runs.append("charged")
+        return JSONResponse({"charged": True}, status_code=201)
+
+    app = Starlette(
+        routes=[Route("/c", idempotent(mode="two_phase", fail_open=True)(charge), methods=["POST"])]
+    )
+    app.add_middleware(IdempotencyMiddleware, store=store, shared_keys=True)
+    real_complete = store.complete
+
+    async def complete(*args: Any, **kwargs: Any) -> Any:
+        conn = kwargs.get("conn")
+        await pg_pool.execute("SELECT pg_terminate_backend($1)", conn.get_server_pid())
+        return await real_complete(*args, **kwargs)
+
+    store.complete = complete  # type: ignore[method-assign]
+    h = {"Idempotency-Key": scope}
+    try:
+        async with client_for(app) as c:
+            first = await c.post("/c", json={}, headers=h)
+            store.complete = real_complete  # type: ignore[method-assign]
+            retry = await c.post("/c", json={}, headers=h)
+    finally:
+        pool.terminate()
+    assert is_problem(first, 503, "outcome-unknown"), first.text
+    assert "not processed" not in first.text
+    assert retry.status_code == 409 and runs == ["charged"]
