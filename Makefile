@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
 
-.PHONY: venv services services-down demo test test-fast lint typecheck pytest bench clean docs package
+.PHONY: venv services services-down demo test test-fast lint typecheck pytest pytest-pg18 bench clean docs package
 
 venv: $(VENV_STAMP)
 
@@ -30,9 +30,16 @@ typecheck: venv
 pytest: venv
 	.venv/bin/pytest
 
+# The Postgres-only test files again on PostgreSQL 18 (embedded, 127.0.0.1:5436; the list is in
+# the script), beside the PostgreSQL 15 service the whole suite runs on.
+pytest-pg18: venv services
+	scripts/pytest-pg18
+
 test: venv lint typecheck docs package services
 	.venv/bin/pytest
+	scripts/pytest-pg18
 	scripts/wheel-quickstart
+	scripts/wheel-testing
 
 # Seconds, no service needed: the pure tests (keys, fingerprints, signatures, verdicts, options).
 test-fast: venv

@@ -6,6 +6,14 @@ serializers, datetimes and UUIDs as strings), a dataclass instance as an object 
 (each a JSON value, a model or a dataclass in turn), at any depth. A replay gives that JSON
 back, decoded: a dict, not the model.
 
+The everyday values of ``numeric``, ``timestamptz``, ``date``, ``time`` and ``uuid`` columns
+are stored as JSON strings: a :class:`~decimal.Decimal` and a :class:`~uuid.UUID` as ``str()``
+(``"12.50"``, ``"0b9c…"``), a :class:`~datetime.datetime`, :class:`~datetime.date` and
+:class:`~datetime.time` in ISO 8601 (``"2026-11-27T23:05:00+00:00"``), an :class:`~enum.Enum`
+as its value (encoded the same way), at any depth. **A replay returns those strings**, not
+the typed values: the first delivery's handler returns ``Decimal("12.50")``, a duplicate gets
+``"12.50"`` back.
+
 Anything else is refused with :class:`~consumer_idem.errors.UnstorableResult`, naming what and
 why: a value JSON cannot hold (NaN, bytes, an arbitrary object), and an ORM object, which is a
 view of rows rather than a value (turn it into a model first:
@@ -16,7 +24,11 @@ same handler returns the same value again, so a consumer dead-letters the delive
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import decimal
+import enum
 import json
+import uuid
 from typing import Any
 
 from consumer_idem.errors import UnstorableResult
@@ -41,9 +53,26 @@ def to_json_text(result: Any) -> str:
     return text
 
 
+def scalar_text(value: Any) -> Any:
+    """The JSON form of a typed scalar JSON has no type for (``NotImplemented`` for anything
+    else): ``str`` of a ``Decimal`` or ``UUID`` (exact: no float rounding of money), ISO 8601
+    of a ``datetime``, ``date`` or ``time``, the value of an ``Enum``. The one place this
+    encoding is defined, so reading typed results back can rely on it."""
+    if isinstance(value, enum.Enum):
+        return value.value  # json.dumps encodes it in turn (a Decimal value included)
+    if isinstance(value, decimal.Decimal | uuid.UUID):
+        return str(value)
+    if isinstance(value, datetime.date | datetime.time):  # datetime is a date
+        return value.isoformat()
+    return NotImplemented
+
+
 def _convert(value: Any) -> Any:
-    """``json.dumps``'s hook for what it cannot encode itself: models and dataclasses (no
-    import of pydantic: a model is recognised by its ``model_dump``)."""
+    """``json.dumps``'s hook for what it cannot encode itself: typed scalars, models and
+    dataclasses (no import of pydantic: a model is recognised by its ``model_dump``)."""
+    scalar = scalar_text(value)
+    if scalar is not NotImplemented:
+        return scalar
     kind = type(value).__name__
     if hasattr(value, "_sa_instance_state"):
         raise UnstorableResult(

