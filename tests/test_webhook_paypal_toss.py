@@ -131,6 +131,23 @@ async def test_a_certificate_url_off_paypals_hosts_is_never_fetched(
     assert end.fetched == []
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://api.paypal.com:abc/cert.pem",  # a port that is no number
+        "https://api.paypal.com:99999/cert.pem",  # a port out of range
+        "https://[api.paypal.com/cert.pem",  # an unclosed IPv6 bracket
+    ],
+)
+async def test_a_malformed_certificate_url_is_a_401_never_a_500(
+    store: PostgresStore, who: PayPalIdentity, url: str
+) -> None:
+    end = PayPalEndpoint(store, who)
+    body, headers = paypal_request(who, unique("WH"), WEBHOOK_ID, int(time.time()))
+    await end.refused(body, {**dict(headers), "paypal-cert-url": url}.items(), 401)
+    assert end.fetched == []
+
+
 async def test_an_expired_certificate_does_not_verify(store: PostgresStore) -> None:
     old = paypal_identity(valid_from=datetime.now(UTC) - timedelta(days=60), days=30)
     end = PayPalEndpoint(store, old)

@@ -89,13 +89,7 @@ class PayPalVerifier:
 
     async def certificate(self, url: str) -> x509.Certificate:
         """The certificate at ``url``: its host checked first, fetched once, then cached."""
-        parts = urlsplit(url)
-        if (
-            parts.scheme != "https"
-            or parts.username is not None
-            or parts.port not in (None, 443)
-            or (parts.hostname or "").lower() not in self.allowed_hosts
-        ):
+        if not self._allowed(url):
             raise WebhookVerificationError(401, "PAYPAL-CERT-URL is not on an allowed host")
         cached = self._certificates.get(url)
         if cached is not None:
@@ -112,6 +106,21 @@ class PayPalVerifier:
             self._certificates.pop(next(iter(self._certificates)))
         self._certificates[url] = cert
         return cert
+
+    def _allowed(self, url: str) -> bool:
+        """``https`` on an allowed host, default port, no user info. A URL ``urlsplit`` cannot
+        read (a port that is no number, an unclosed ``[``) raises ValueError: not allowed."""
+        try:
+            parts = urlsplit(url)
+            port = parts.port
+        except ValueError:
+            return False
+        return (
+            parts.scheme == "https"
+            and parts.username is None
+            and port in (None, 443)
+            and (parts.hostname or "").lower() in self.allowed_hosts
+        )
 
     async def verify(
         self, body: bytes, headers: Mapping[str, str], now: float | None = None
