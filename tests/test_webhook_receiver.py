@@ -111,6 +111,36 @@ async def test_adyen_items_differing_in_success_are_two_events(
     assert await counts(store.pool, effects) == {"psp-g": 2}
 
 
+async def test_an_adyen_item_replayed_with_unsigned_fields_changed_is_a_duplicate_not_a_500(
+    store: PostgresStore, effects: str
+) -> None:
+    """Adyen signs eight fields of an item; the rest (``additionalData``, ``reason``, ...) can
+    be changed by whoever replays a captured item, including to JSON that cannot be
+    canonicalised (an integer beyond 2**53). Such a replay is the same event: answered, not
+    run again, and never a 500."""
+    receiver = adyen_receiver(store, effects, set())
+    item = wh.sign_adyen_item(adyen_item("psp-u"), HMAC_KEY)
+    first = await post(receiver, json.dumps(wh.adyen_batch(item)).encode())
+    assert first.text == "[accepted]"
+    for extra in ({"n": 2**64}, {"n": 1}):
+        changed = {**item, "reason": "x", "additionalData": {**item["additionalData"], **extra}}
+        again = await post(receiver, json.dumps(wh.adyen_batch(changed)).encode())
+        assert again.status_code == 200 and again.text == "[accepted]", again.text
+    assert await counts(store.pool, effects) == {"psp-u": 1}
+
+
+async def test_adyen_items_whose_fields_hold_colons_are_distinct_events(
+    store: PostgresStore, effects: str
+) -> None:
+    """pspReference ``A:B`` with eventCode ``C`` is not pspReference ``A`` with ``B:C``."""
+    receiver = adyen_receiver(store, effects, set())
+    one = wh.sign_adyen_item(adyen_item("A:B", code="C"), HMAC_KEY)
+    other = wh.sign_adyen_item(adyen_item("A", code="B:C"), HMAC_KEY)
+    response = await post(receiver, json.dumps(wh.adyen_batch(one, other)).encode())
+    assert response.text == "[accepted]"
+    assert await counts(store.pool, effects) == {"A:B": 1, "A": 1}
+
+
 # --- retention --------------------------------------------------------------------------------
 
 
