@@ -224,3 +224,23 @@ async def test_unsigned_toss_events_without_a_way_to_verify_them_are_refused(
     assert (await _post(fetching, payment_event("pay_2"), [])).status_code == 401
     payout = json.dumps({"eventType": "payout.changed", "createdAt": "x", "data": {}}).encode()
     assert (await _post(fetching, payout, [])).status_code == 400  # no signature, no payment
+
+
+async def test_a_signed_toss_event_whose_data_json_cannot_canonicalise_runs_once_not_a_500(
+    store: PostgresStore,
+) -> None:
+    """The identity of a signed Toss event digests its ``data``; an integer beyond 2**53 (or a
+    float JSON cannot write) has no RFC 8785 form, and must still be one event, not a 500."""
+    ran: list[Any] = []
+
+    async def on_event(event: dict[str, Any], conn: asyncpg.Connection) -> None:
+        ran.append(event["data"])
+
+    receiver = WebhookReceiver(store, unique("toss"), wh.toss_verifier(["toss-key"]), on_event)
+    data = {"payoutId": "po_1", "amount": 2**64}
+    body = json.dumps({"eventType": "payout.changed", "createdAt": "c1", "data": data}).encode()
+    for _ in range(2):
+        headers = wh.sign_toss(body, "toss-key", datetime.now(UTC).isoformat())
+        response = await _post(receiver, body, headers.items())
+        assert response.status_code == 200, response.text
+    assert ran == [data]
