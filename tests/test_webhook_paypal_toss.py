@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import time
+import zlib
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -82,7 +83,8 @@ async def test_a_paypal_webhook_id_being_replaced_is_accepted(
 ) -> None:
     end = PayPalEndpoint(store, who, ["WH-OLD", "WH-NEW"])
     for webhook_id in ("WH-OLD", "WH-NEW"):
-        response = await end.post(*paypal_request(who, unique("WH"), webhook_id, int(time.time())))
+        request = paypal_request(who, unique("WH"), webhook_id, int(time.time()), unique("tx"))
+        response = await end.post(*request)
         assert response.status_code == 200, response.text
     assert len(end.ran) == 2
 
@@ -146,6 +148,50 @@ async def test_a_malformed_certificate_url_is_a_401_never_a_500(
     body, headers = paypal_request(who, unique("WH"), WEBHOOK_ID, int(time.time()))
     await end.refused(body, {**dict(headers), "paypal-cert-url": url}.items(), 401)
     assert end.fetched == []
+
+
+def same_crc32(body: bytes, prefix: bytes, suffix: bytes, pad: int = 64) -> bytes:
+    """``prefix + <pad chars 'a'/'b'> + suffix`` with ``body``'s CRC32: CRC32 is affine over
+    GF(2), so the choice of 'a' or 'b' at each place is a linear system, solved here."""
+    start = prefix + b"a" * pad + suffix
+    flips = []  # what turning place i from 'a' into 'b' does to the CRC
+    for i in range(pad):
+        turned = bytearray(start)
+        turned[len(prefix) + i] = ord("b")
+        flips.append(zlib.crc32(bytes(turned)) ^ zlib.crc32(start))
+    basis: list[tuple[int, int]] = []  # (vector, the places it is made of), reduced
+    for i, vector in enumerate(flips):
+        places = 1 << i
+        for b_vector, b_places in basis:
+            if vector ^ b_vector < vector:
+                vector, places = vector ^ b_vector, places ^ b_places
+        if vector:
+            basis = sorted([*basis, (vector, places)], reverse=True)
+    want, places = zlib.crc32(body) ^ zlib.crc32(start), 0
+    for b_vector, b_places in basis:
+        if want ^ b_vector < want:
+            want, places = want ^ b_vector, places ^ b_places
+    assert want == 0
+    forged = prefix + bytes(98 if places >> i & 1 else 97 for i in range(pad)) + suffix
+    assert zlib.crc32(forged) == zlib.crc32(body)
+    return forged
+
+
+async def test_a_captured_paypal_transmission_with_another_body_of_the_same_crc32_is_refused(
+    store: PostgresStore, who: PayPalIdentity
+) -> None:
+    """PayPal signs the body's CRC32, not the body: whoever saw one transmission (a proxy's
+    log) can, within the tolerance, send a body of their own with the same CRC32 and the same
+    headers. The transmission is bound to the body it came with: the forged one is refused."""
+    end = PayPalEndpoint(store, who)
+    body, headers = paypal_request(who, "WH-GENUINE", WEBHOOK_ID, int(time.time()), unique("tx"))
+    assert (await end.post(body, headers)).status_code == 200
+    forged = same_crc32(body, b'{"id": "WH-FORGED", "event_type": "REFUND", "pad": "', b'"}')
+    response = await end.post(forged, headers)
+    assert response.status_code == 401, response.text
+    assert end.ran == ["WH-GENUINE"]
+    again = await end.post(body, headers)  # the same transmission resent: still answered
+    assert again.status_code == 200 and again.json()["duplicate"] is True
 
 
 async def test_an_expired_certificate_does_not_verify(store: PostgresStore) -> None:

@@ -156,7 +156,9 @@ class PayPalVerifier:
         await self.verify(body, headers)
         event = json_object(body)
         event_id = string_field(event, "id", "PayPal event")
-        return [Delivery(event_id, event, fingerprint_payload(body))]
+        # the signature covers only the body's CRC32: the transmission is sealed to this body
+        seal = one_header(headers, "paypal-transmission-id")
+        return [Delivery(event_id, event, fingerprint_payload(body), seal)]
 
 
 def paypal_verifier(
