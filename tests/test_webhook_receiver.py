@@ -141,6 +141,26 @@ async def test_adyen_items_whose_fields_hold_colons_are_distinct_events(
     assert await counts(store.pool, effects) == {"A:B": 1, "A": 1}
 
 
+async def test_one_adyen_item_refused_or_failing_does_not_hold_back_the_batchs_others(
+    store: PostgresStore, effects: str
+) -> None:
+    """An item reused with other signed fields (422), or whose handler fails (500), fails the
+    batch, so Adyen resends it; the items after it still run now, not only once the failing
+    one stops failing (a 422 never does: they would be lost after Adyen's 30 days)."""
+    receiver = adyen_receiver(store, effects, {"psp-x"})
+    first = wh.sign_adyen_item(adyen_item("psp-w"), HMAC_KEY)
+    assert (await post(receiver, json.dumps(wh.adyen_batch(first)).encode())).status_code == 200
+    reused = wh.sign_adyen_item({**adyen_item("psp-w"), "amount": {"value": 1}}, HMAC_KEY)
+    later = wh.sign_adyen_item(adyen_item("psp-v"), HMAC_KEY)
+    response = await post(receiver, json.dumps(wh.adyen_batch(reused, later)).encode())
+    assert response.status_code == 422, response.text
+    failing = wh.sign_adyen_item(adyen_item("psp-x"), HMAC_KEY)
+    after = wh.sign_adyen_item(adyen_item("psp-y"), HMAC_KEY)
+    response = await post(receiver, json.dumps(wh.adyen_batch(failing, after)).encode())
+    assert response.status_code == 500, response.text
+    assert await counts(store.pool, effects) == {"psp-w": 1, "psp-v": 1, "psp-y": 1}
+
+
 # --- retention --------------------------------------------------------------------------------
 
 

@@ -133,6 +133,10 @@ class WebhookReceiver:
         except WebhookVerificationError as exc:
             return problem(exc.status, exc.reason)
         outcomes: list[Outcome] = []
+        # an event refused or failing answers the request, but only once the batch's others
+        # ran: a failure that lasts (a 422 always does) must not hold them back until the
+        # sender gives up; the sender resends the batch and what ran replays
+        refused: Response | None = None
         for delivery in deliveries:
             try:
                 if not await self._sealed(delivery, body):
@@ -143,11 +147,12 @@ class WebhookReceiver:
             except InvalidKey:
                 return problem(400, "the event id is empty")
             if outcome.kind is OutcomeKind.MISUSE:
-                return problem(422, f"event {delivery.event_id!r} was seen with another payload")
-            if outcome.kind not in _RECORDED:  # failed or in progress: the sender retries
-                return problem(500, f"event {delivery.event_id!r} was not processed")
+                detail = f"event {delivery.event_id!r} was seen with another payload"
+                refused = refused or problem(422, detail)
+            elif outcome.kind not in _RECORDED:  # failed or in progress: the sender retries
+                refused = refused or problem(500, f"event {delivery.event_id!r} was not processed")
             outcomes.append(outcome)
-        return self.accepted(outcomes)
+        return refused or self.accepted(outcomes)
 
     handle = __call__  #: the endpoint as a method, for Starlette's ``Route``
 
