@@ -290,3 +290,15 @@ async def test_a_signed_toss_event_whose_data_json_cannot_canonicalise_runs_once
         response = await _post(receiver, body, headers.items())
         assert response.status_code == 200, response.text
     assert ran == [data]
+
+
+@pytest.mark.parametrize("tolerance", [0, -1, float("nan"), float("inf")])
+def test_a_paypal_tolerance_that_would_accept_any_time_or_none_refuses_to_start(
+    tolerance: float,
+) -> None:
+    """NaN compares false with everything: a NaN tolerance accepted every transmission time,
+    so a seen transmission could be replayed for ever (the HMAC verifiers refused it)."""
+    with pytest.raises(WebhookSecretError):
+        wh.paypal_verifier(["WH"], lambda url: None, tolerance=tolerance)  # type: ignore[arg-type, return-value]
+    with pytest.raises(WebhookSecretError):
+        wh.stripe_verifier(["whsec_x"], tolerance=tolerance)

@@ -38,6 +38,7 @@ from consumer_idem.fingerprint import fingerprint_payload
 from consumer_idem.webhooks._verify import (
     DEFAULT_TOLERANCE,
     check_iso_time,
+    checked_tolerance,
     json_object,
     one_header,
     string_field,
@@ -84,7 +85,7 @@ class PayPalVerifier:
         self.webhook_ids = [w.strip() for w in webhook_ids]
         self.fetch_certificate = fetch_certificate
         self.allowed_hosts = frozenset(h.lower() for h in allowed_hosts)
-        self.tolerance = tolerance
+        self.tolerance = checked_tolerance(tolerance)
         self._certificates: dict[str, x509.Certificate] = {}
 
     async def certificate(self, url: str) -> x509.Certificate:
