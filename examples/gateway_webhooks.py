@@ -91,6 +91,18 @@ def verifier_for(sender: str) -> Any | None:
     return HMAC_VERIFIERS[sender](secrets) if secrets else None
 
 
+def without_nul(value: Any) -> Any:
+    """``value`` with U+0000 in its strings made U+FFFD: a jsonb column refuses U+0000, and
+    a customer's text can hold it (refused, the event would be answered 500 on every retry)."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, dict):
+        return {without_nul(k): without_nul(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_nul(v) for v in value]
+    return value
+
+
 class Gateway:
     """The store, created at start-up, and a receiver per configured sender."""
 
@@ -116,7 +128,7 @@ class Gateway:
                 "INSERT INTO webhook_events (sender, event_id, body) VALUES ($1, $2, $3::jsonb)",
                 sender,
                 delivery.event_id,
-                json.dumps(delivery.event),
+                json.dumps(without_nul(delivery.event)),
             )
 
         return record

@@ -153,3 +153,20 @@ async def test_an_adyen_batch_is_one_row_per_item_and_a_crash_free_retry_adds_no
             assert response.text == "[accepted]"
     recorded = await rows(dsn, "adyen")
     assert sorted(recorded) == sorted(f"{i['pspReference']}:AUTHORISATION:true" for i in items)
+
+
+async def test_an_event_whose_text_holds_a_nul_character_is_recorded_not_refused_forever(
+    example: tuple[str, str],
+) -> None:
+    """A customer's name or metadata can hold U+0000, which a ``jsonb`` column cannot: the
+    example's insert failed, the event was answered 500 on every retry and never recorded."""
+    url, dsn = example
+    event_id = unique("evt")
+    secret = SECRETS["stripe"][0]
+    body = json.dumps({"id": event_id, "customer": {"name": "Ann\u0000", "note": "a\\u0000"}})
+    raw = body.encode()
+    headers = {"stripe-signature": wh.sign_stripe(raw, secret, int(time.time()))}
+    async with httpx.AsyncClient(base_url=url) as client:
+        response = await client.post("/webhooks/stripe", content=raw, headers=headers)
+    assert response.status_code == 200, response.text
+    assert await rows(dsn, "stripe") == [event_id]

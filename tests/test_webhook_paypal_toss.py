@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import time
+import zlib
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -82,7 +83,8 @@ async def test_a_paypal_webhook_id_being_replaced_is_accepted(
 ) -> None:
     end = PayPalEndpoint(store, who, ["WH-OLD", "WH-NEW"])
     for webhook_id in ("WH-OLD", "WH-NEW"):
-        response = await end.post(*paypal_request(who, unique("WH"), webhook_id, int(time.time())))
+        request = paypal_request(who, unique("WH"), webhook_id, int(time.time()), unique("tx"))
+        response = await end.post(*request)
         assert response.status_code == 200, response.text
     assert len(end.ran) == 2
 
@@ -129,6 +131,67 @@ async def test_a_certificate_url_off_paypals_hosts_is_never_fetched(
     body, headers = paypal_request(who, unique("WH"), WEBHOOK_ID, int(time.time()))
     await end.refused(body, {**dict(headers), "paypal-cert-url": url}.items(), 401)
     assert end.fetched == []
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://api.paypal.com:abc/cert.pem",  # a port that is no number
+        "https://api.paypal.com:99999/cert.pem",  # a port out of range
+        "https://[api.paypal.com/cert.pem",  # an unclosed IPv6 bracket
+    ],
+)
+async def test_a_malformed_certificate_url_is_a_401_never_a_500(
+    store: PostgresStore, who: PayPalIdentity, url: str
+) -> None:
+    end = PayPalEndpoint(store, who)
+    body, headers = paypal_request(who, unique("WH"), WEBHOOK_ID, int(time.time()))
+    await end.refused(body, {**dict(headers), "paypal-cert-url": url}.items(), 401)
+    assert end.fetched == []
+
+
+def same_crc32(body: bytes, prefix: bytes, suffix: bytes, pad: int = 64) -> bytes:
+    """``prefix + <pad chars 'a'/'b'> + suffix`` with ``body``'s CRC32: CRC32 is affine over
+    GF(2), so the choice of 'a' or 'b' at each place is a linear system, solved here."""
+    start = prefix + b"a" * pad + suffix
+    flips = []  # what turning place i from 'a' into 'b' does to the CRC
+    for i in range(pad):
+        turned = bytearray(start)
+        turned[len(prefix) + i] = ord("b")
+        flips.append(zlib.crc32(bytes(turned)) ^ zlib.crc32(start))
+    basis: list[tuple[int, int]] = []  # (vector, the places it is made of), reduced
+    for i, vector in enumerate(flips):
+        places = 1 << i
+        for b_vector, b_places in basis:
+            if vector ^ b_vector < vector:
+                vector, places = vector ^ b_vector, places ^ b_places
+        if vector:
+            basis = sorted([*basis, (vector, places)], reverse=True)
+    want, places = zlib.crc32(body) ^ zlib.crc32(start), 0
+    for b_vector, b_places in basis:
+        if want ^ b_vector < want:
+            want, places = want ^ b_vector, places ^ b_places
+    assert want == 0
+    forged = prefix + bytes(98 if places >> i & 1 else 97 for i in range(pad)) + suffix
+    assert zlib.crc32(forged) == zlib.crc32(body)
+    return forged
+
+
+async def test_a_captured_paypal_transmission_with_another_body_of_the_same_crc32_is_refused(
+    store: PostgresStore, who: PayPalIdentity
+) -> None:
+    """PayPal signs the body's CRC32, not the body: whoever saw one transmission (a proxy's
+    log) can, within the tolerance, send a body of their own with the same CRC32 and the same
+    headers. The transmission is bound to the body it came with: the forged one is refused."""
+    end = PayPalEndpoint(store, who)
+    body, headers = paypal_request(who, "WH-GENUINE", WEBHOOK_ID, int(time.time()), unique("tx"))
+    assert (await end.post(body, headers)).status_code == 200
+    forged = same_crc32(body, b'{"id": "WH-FORGED", "event_type": "REFUND", "pad": "', b'"}')
+    response = await end.post(forged, headers)
+    assert response.status_code == 401, response.text
+    assert end.ran == ["WH-GENUINE"]
+    again = await end.post(body, headers)  # the same transmission resent: still answered
+    assert again.status_code == 200 and again.json()["duplicate"] is True
 
 
 async def test_an_expired_certificate_does_not_verify(store: PostgresStore) -> None:
@@ -207,3 +270,35 @@ async def test_unsigned_toss_events_without_a_way_to_verify_them_are_refused(
     assert (await _post(fetching, payment_event("pay_2"), [])).status_code == 401
     payout = json.dumps({"eventType": "payout.changed", "createdAt": "x", "data": {}}).encode()
     assert (await _post(fetching, payout, [])).status_code == 400  # no signature, no payment
+
+
+async def test_a_signed_toss_event_whose_data_json_cannot_canonicalise_runs_once_not_a_500(
+    store: PostgresStore,
+) -> None:
+    """The identity of a signed Toss event digests its ``data``; an integer beyond 2**53 (or a
+    float JSON cannot write) has no RFC 8785 form, and must still be one event, not a 500."""
+    ran: list[Any] = []
+
+    async def on_event(event: dict[str, Any], conn: asyncpg.Connection) -> None:
+        ran.append(event["data"])
+
+    receiver = WebhookReceiver(store, unique("toss"), wh.toss_verifier(["toss-key"]), on_event)
+    data = {"payoutId": "po_1", "amount": 2**64}
+    body = json.dumps({"eventType": "payout.changed", "createdAt": "c1", "data": data}).encode()
+    for _ in range(2):
+        headers = wh.sign_toss(body, "toss-key", datetime.now(UTC).isoformat())
+        response = await _post(receiver, body, headers.items())
+        assert response.status_code == 200, response.text
+    assert ran == [data]
+
+
+@pytest.mark.parametrize("tolerance", [0, -1, float("nan"), float("inf")])
+def test_a_paypal_tolerance_that_would_accept_any_time_or_none_refuses_to_start(
+    tolerance: float,
+) -> None:
+    """NaN compares false with everything: a NaN tolerance accepted every transmission time,
+    so a seen transmission could be replayed for ever (the HMAC verifiers refused it)."""
+    with pytest.raises(WebhookSecretError):
+        wh.paypal_verifier(["WH"], lambda url: None, tolerance=tolerance)  # type: ignore[arg-type, return-value]
+    with pytest.raises(WebhookSecretError):
+        wh.stripe_verifier(["whsec_x"], tolerance=tolerance)

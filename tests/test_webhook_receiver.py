@@ -156,6 +156,56 @@ async def test_adyen_items_differing_in_success_are_two_events(
     assert await counts(store.pool, effects) == {"psp-g": 2}
 
 
+async def test_an_adyen_item_replayed_with_unsigned_fields_changed_is_a_duplicate_not_a_500(
+    store: PostgresStore, effects: str
+) -> None:
+    """Adyen signs eight fields of an item; the rest (``additionalData``, ``reason``, ...) can
+    be changed by whoever replays a captured item, including to JSON that cannot be
+    canonicalised (an integer beyond 2**53). Such a replay is the same event: answered, not
+    run again, and never a 500."""
+    receiver = adyen_receiver(store, effects, set())
+    item = wh.sign_adyen_item(adyen_item("psp-u"), HMAC_KEY)
+    first = await post(receiver, json.dumps(wh.adyen_batch(item)).encode())
+    assert first.text == "[accepted]"
+    for extra in ({"n": 2**64}, {"n": 1}):
+        changed = {**item, "reason": "x", "additionalData": {**item["additionalData"], **extra}}
+        again = await post(receiver, json.dumps(wh.adyen_batch(changed)).encode())
+        assert again.status_code == 200 and again.text == "[accepted]", again.text
+    assert await counts(store.pool, effects) == {"psp-u": 1}
+
+
+async def test_adyen_items_whose_fields_hold_colons_are_distinct_events(
+    store: PostgresStore, effects: str
+) -> None:
+    """pspReference ``A:B`` with eventCode ``C`` is not pspReference ``A`` with ``B:C``."""
+    receiver = adyen_receiver(store, effects, set())
+    one = wh.sign_adyen_item(adyen_item("A:B", code="C"), HMAC_KEY)
+    other = wh.sign_adyen_item(adyen_item("A", code="B:C"), HMAC_KEY)
+    response = await post(receiver, json.dumps(wh.adyen_batch(one, other)).encode())
+    assert response.text == "[accepted]"
+    assert await counts(store.pool, effects) == {"A:B": 1, "A": 1}
+
+
+async def test_one_adyen_item_refused_or_failing_does_not_hold_back_the_batchs_others(
+    store: PostgresStore, effects: str
+) -> None:
+    """An item reused with other signed fields (422), or whose handler fails (500), fails the
+    batch, so Adyen resends it; the items after it still run now, not only once the failing
+    one stops failing (a 422 never does: they would be lost after Adyen's 30 days)."""
+    receiver = adyen_receiver(store, effects, {"psp-x"})
+    first = wh.sign_adyen_item(adyen_item("psp-w"), HMAC_KEY)
+    assert (await post(receiver, json.dumps(wh.adyen_batch(first)).encode())).status_code == 200
+    reused = wh.sign_adyen_item({**adyen_item("psp-w"), "amount": {"value": 1}}, HMAC_KEY)
+    later = wh.sign_adyen_item(adyen_item("psp-v"), HMAC_KEY)
+    response = await post(receiver, json.dumps(wh.adyen_batch(reused, later)).encode())
+    assert response.status_code == 422, response.text
+    failing = wh.sign_adyen_item(adyen_item("psp-x"), HMAC_KEY)
+    after = wh.sign_adyen_item(adyen_item("psp-y"), HMAC_KEY)
+    response = await post(receiver, json.dumps(wh.adyen_batch(failing, after)).encode())
+    assert response.status_code == 500, response.text
+    assert await counts(store.pool, effects) == {"psp-w": 1, "psp-v": 1, "psp-y": 1}
+
+
 # --- retention --------------------------------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import math
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -77,6 +78,14 @@ def check_iso_time(timestamp: str, tolerance: float, now: float | None) -> None:
     if when.tzinfo is None:  # a time without its offset could be any of 26 hours
         raise WebhookVerificationError(400, "the transmission time has no UTC offset")
     _within(when.timestamp(), tolerance, now)
+
+
+def checked_tolerance(tolerance: float) -> float:
+    """A signed time's tolerance: positive and finite. NaN compares false with everything, so
+    a NaN (or infinite) tolerance would accept any time: a seen request replayable for ever."""
+    if not 0 < tolerance < math.inf:
+        raise WebhookSecretError(f"the timestamp tolerance must be positive, not {tolerance}")
+    return tolerance
 
 
 def _within(ts: float, tolerance: float, now: float | None) -> None:
@@ -192,9 +201,7 @@ class HmacVerifier:
         self.scheme = scheme
         self.sender = scheme.sender
         self._keys = secret_keys(secrets, scheme.key, scheme.sender)
-        if scheme.timestamp is not None and not tolerance > 0:
-            raise WebhookSecretError(f"the timestamp tolerance must be positive, not {tolerance}")
-        self.tolerance = tolerance
+        self.tolerance = checked_tolerance(tolerance) if scheme.timestamp else tolerance
 
     def check(self, body: bytes, headers: Mapping[str, str], now: float | None = None) -> None:
         """The signature alone."""

@@ -52,19 +52,23 @@ def _field(item: Mapping[str, Any], path: str) -> str:
     return str(value)
 
 
+def _escaped(item: Mapping[str, Any], path: str) -> str:
+    return _field(item, path).replace("\\", "\\\\").replace(":", "\\:")
+
+
 def signing_string(item: Mapping[str, Any]) -> bytes:
     """The bytes Adyen signs for one ``NotificationRequestItem``."""
-    escaped = (_field(item, f).replace("\\", "\\\\").replace(":", "\\:") for f in SIGNED_FIELDS)
-    return ":".join(escaped).encode()
+    return ":".join(_escaped(item, f) for f in SIGNED_FIELDS).encode()
 
 
 def item_identity(item: Mapping[str, Any]) -> str:
     """An item's identity: ``pspReference`` + ``eventCode`` + ``success`` (a refused and a
     succeeded authorisation of one payment are two events)."""
-    psp, code = _field(item, "pspReference"), _field(item, "eventCode")
+    # escaped as in the signing string: "A:B" + "C" and "A" + "B:C" are two events
+    psp, code = _escaped(item, "pspReference"), _escaped(item, "eventCode")
     if not psp or not code:
         raise WebhookVerificationError(400, "an Adyen item has no pspReference or eventCode")
-    return f"{psp}:{code}:{_field(item, 'success')}"
+    return f"{psp}:{code}:{_escaped(item, 'success')}"
 
 
 def batch_items(body: bytes) -> list[dict[str, Any]]:
@@ -103,7 +107,8 @@ class AdyenVerifier:
         for item in items:  # all verify before any runs: a forged item refuses the batch
             self.verify_item(item)
         # the fingerprint is what is signed: a resend after a key rotation carries another
-        # hmacSignature (and may carry other additionalData) for the same event
+        # hmacSignature, and the unsigned fields are anyone's to change (and may not
+        # canonicalise): such a resend replays, never 422 or 500
         return [
             Delivery(item_identity(item), item, fingerprint_bytes(signing_string(item)))
             for item in items

@@ -38,6 +38,7 @@ from consumer_idem.fingerprint import fingerprint_payload
 from consumer_idem.webhooks._verify import (
     DEFAULT_TOLERANCE,
     check_iso_time,
+    checked_tolerance,
     json_object,
     one_header,
     string_field,
@@ -84,18 +85,12 @@ class PayPalVerifier:
         self.webhook_ids = [w.strip() for w in webhook_ids]
         self.fetch_certificate = fetch_certificate
         self.allowed_hosts = frozenset(h.lower() for h in allowed_hosts)
-        self.tolerance = tolerance
+        self.tolerance = checked_tolerance(tolerance)
         self._certificates: dict[str, x509.Certificate] = {}
 
     async def certificate(self, url: str) -> x509.Certificate:
         """The certificate at ``url``: its host checked first, fetched once, then cached."""
-        parts = urlsplit(url)
-        if (
-            parts.scheme != "https"
-            or parts.username is not None
-            or parts.port not in (None, 443)
-            or (parts.hostname or "").lower() not in self.allowed_hosts
-        ):
+        if not self._allowed(url):
             raise WebhookVerificationError(401, "PAYPAL-CERT-URL is not on an allowed host")
         cached = self._certificates.get(url)
         if cached is not None:
@@ -112,6 +107,21 @@ class PayPalVerifier:
             self._certificates.pop(next(iter(self._certificates)))
         self._certificates[url] = cert
         return cert
+
+    def _allowed(self, url: str) -> bool:
+        """``https`` on an allowed host, default port, no user info. A URL ``urlsplit`` cannot
+        read (a port that is no number, an unclosed ``[``) raises ValueError: not allowed."""
+        try:
+            parts = urlsplit(url)
+            port = parts.port
+        except ValueError:
+            return False
+        return (
+            parts.scheme == "https"
+            and parts.username is None
+            and port in (None, 443)
+            and (parts.hostname or "").lower() in self.allowed_hosts
+        )
 
     async def verify(
         self, body: bytes, headers: Mapping[str, str], now: float | None = None
@@ -147,7 +157,9 @@ class PayPalVerifier:
         await self.verify(body, headers)
         event = json_object(body)
         event_id = string_field(event, "id", "PayPal event")
-        return [Delivery(event_id, event, fingerprint_payload(body))]
+        # the signature covers only the body's CRC32: the transmission is sealed to this body
+        seal = one_header(headers, "paypal-transmission-id")
+        return [Delivery(event_id, event, fingerprint_payload(body), seal)]
 
 
 def paypal_verifier(

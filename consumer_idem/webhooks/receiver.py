@@ -33,7 +33,7 @@ from consumer_idem.errors import (
     WebhookVerificationError,
 )
 from consumer_idem.execution import run_transactional
-from consumer_idem.fingerprint import fingerprint_payload
+from consumer_idem.fingerprint import fingerprint_bytes, fingerprint_payload
 from consumer_idem.keys import normalize_key
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.types import Outcome, OutcomeKind, Resolution
@@ -64,6 +64,9 @@ class Delivery:
     event_id: str
     event: dict[str, Any]
     fingerprint: str
+    #: a signature that covers less than the body (PayPal signs its CRC32, forgeable): the
+    #: signed transmission's id, bound to this body before the effect runs
+    seal: str | None = None
 
 
 @runtime_checkable
@@ -130,19 +133,26 @@ class WebhookReceiver:
         except WebhookVerificationError as exc:
             return problem(exc.status, exc.reason)
         outcomes: list[Outcome] = []
+        # an event refused or failing answers the request, but only once the batch's others
+        # ran: a failure that lasts (a 422 always does) must not hold them back until the
+        # sender gives up; the sender resends the batch and what ran replays
+        refused: Response | None = None
         for delivery in deliveries:
             try:
+                if not await self._sealed(delivery, body):
+                    return problem(401, "this signed transmission was seen with another body")
                 outcome = await self._run(delivery)
             except StoreUnavailable:
                 return problem(503, "the idempotency store cannot be reached: retry later")
             except InvalidKey:
                 return problem(400, "the event id is empty")
             if outcome.kind is OutcomeKind.MISUSE:
-                return problem(422, f"event {delivery.event_id!r} was seen with another payload")
-            if outcome.kind not in _RECORDED:  # failed or in progress: the sender retries
-                return problem(500, f"event {delivery.event_id!r} was not processed")
+                detail = f"event {delivery.event_id!r} was seen with another payload"
+                refused = refused or problem(422, detail)
+            elif outcome.kind not in _RECORDED:  # failed or in progress: the sender retries
+                refused = refused or problem(500, f"event {delivery.event_id!r} was not processed")
             outcomes.append(outcome)
-        return self.accepted(outcomes)
+        return refused or self.accepted(outcomes)
 
     handle = __call__  #: the endpoint as a method, for Starlette's ``Route``
 
@@ -159,6 +169,23 @@ class WebhookReceiver:
             event_id = await found if inspect.isawaitable(found) else found
             event = json_object(body)
         return [Delivery(event_id, event, fingerprint_payload(body))]
+
+    async def _sealed(self, delivery: Delivery, body: bytes) -> bool:
+        """Bind a sealed delivery's transmission to its body: a second body under one signed
+        transmission (a forged body with the signed CRC32, replayed within the tolerance) is
+        refused, a resend of the same body passes."""
+        if delivery.seal is None:
+            return True
+
+        async def bind(conn: asyncpg.Connection) -> None:
+            return None
+
+        key = normalize_key(delivery.seal, hash_invalid=True)
+        outcome = await run_transactional(
+            self.store, f"{self.scope}:transmission", key, fingerprint_bytes(body), bind,
+            retention=self.retention,
+        )  # fmt: skip
+        return outcome.kind is not OutcomeKind.MISUSE
 
     async def _run(self, delivery: Delivery) -> Outcome:
         # an id past the key length limit (or with control characters) is kept as its hash

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -50,8 +51,17 @@ def _signed(body: bytes, timestamp: str | None, headers: Mapping[str, str]) -> b
 def _signed_identity(event: dict[str, Any], headers: Mapping[str, str]) -> str:
     kind = string_field(event, "eventType", "Toss event")
     created = string_field(event, "createdAt", "Toss event")
-    data = hashlib.sha256(canonical_json(event.get("data"))).hexdigest()[:32]
-    return f"{kind}:{created}:{data}"
+    return f"{kind}:{created}:{_digest(event.get('data'))}"
+
+
+def _digest(data: Any) -> str:
+    """A digest of ``data`` the same for every retry: its RFC 8785 form, or, for JSON that has
+    none (an integer beyond 2**53, nesting too deep), its sorted ``json.dumps``."""
+    try:
+        encoded = canonical_json(data)
+    except ValueError:
+        encoded = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(encoded).hexdigest()[:32]
 
 
 TOSS = Scheme(
