@@ -344,11 +344,40 @@ class _Kit:
         """Run one scenario; False when its fault found no place to fire."""
         self.scenario = scenario
         name = scenario.name
-        in_one_batch = name == "duplicate in one batch"
-        count = 1 if in_one_batch else scenario.together
-        distinct = [await self._fresh(name) for _ in range(count)]
+        distinct, sent = await self._messages_of(scenario)
         messages = [m for m, _ in distinct]
-        sent = [messages[0], messages[0].fresh()] if in_one_batch else messages
+        deliveries = await self._play(scenario, messages, sent)
+        if self.failure is not None:
+            raise self.failure
+        if (scenario.fault is not None or scenario.inject is not None) and not self.events:
+            return False
+        _expect_settled(name, deliveries)
+        for message, key in distinct:
+            await self._reconcile(name, message, key)
+            if self.failure is not None:  # a redelivery after "not executed" may set it
+                raise self.failure
+            await self._expect_completed(name, key, None)
+            await self._expect_clean(name, message, "after redelivery")
+        # and one more duplicate changes nothing
+        await self._expect_replayed(name, messages)
+        return True
+
+    async def _messages_of(
+        self, scenario: _Scenario
+    ) -> tuple[list[tuple[ConsumerMessage, str]], list[ConsumerMessage]]:
+        """The distinct messages of ``scenario`` with their keys, and the messages it sends
+        first (in one batch, a message and its duplicate)."""
+        in_one_batch = scenario.name == "duplicate in one batch"
+        count = 1 if in_one_batch else scenario.together
+        distinct = [await self._fresh(scenario.name) for _ in range(count)]
+        first = distinct[0][0]
+        return distinct, [first, first.fresh()] if in_one_batch else [m for m, _ in distinct]
+
+    async def _play(
+        self, scenario: _Scenario, messages: list[ConsumerMessage], sent: list[ConsumerMessage]
+    ) -> list[Delivery]:
+        """Deliver ``sent`` with the scenario's fault armed, then its duplicates (or
+        ``messages[0]`` from several consumers at once); every delivery, until settled."""
         self.events.clear()
         self.after_external = None
         self.fired_external = False
@@ -361,35 +390,18 @@ class _Kit:
                 runs = await asyncio.gather(
                     *(self._deliver([messages[0].fresh()]) for _ in range(self.concurrency))
                 )
-                deliveries = [d for run in runs for d in run]
-            else:
-                deliveries = await self._deliver(sent, crash_before_ack=scenario.crash_before_ack)
-                for _ in range(scenario.duplicates):
-                    deliveries += await self._deliver([m.fresh() for m in messages])
+                return [d for run in runs for d in run]
+            deliveries = await self._deliver(sent, crash_before_ack=scenario.crash_before_ack)
+            for _ in range(scenario.duplicates):
+                deliveries += await self._deliver([m.fresh() for m in messages])
+            return deliveries
         finally:
             self.faulty.disarm()
             self.inject = None
             self.owner_dead = True
-        if self.failure is not None:
-            raise self.failure
-        if (scenario.fault is not None or scenario.inject is not None) and not self.events:
-            return False
-        for delivery in deliveries:
-            if not delivery.acked:
-                raise NotIdempotent(name, f"never settled: {_story(delivery, None)}")
-            if delivery.dead_letter_reason is not None:
-                raise NotIdempotent(
-                    name,
-                    f"dead-lettered ({delivery.dead_letter_reason}), where one clean delivery "
-                    f"executes it: {_story(delivery, None)}",
-                )
-        for message, key in distinct:
-            await self._reconcile(name, message, key)
-            if self.failure is not None:  # a redelivery after "not executed" may set it
-                raise self.failure
-            await self._expect_completed(name, key, None)
-            await self._expect_clean(name, message, "after redelivery")
-        # and one more duplicate changes nothing
+
+    async def _expect_replayed(self, name: str, messages: list[ConsumerMessage]) -> None:
+        """One more duplicate of each of ``messages`` is replayed and changes nothing."""
         again = await self._deliver([m.fresh() for m in messages])
         for message, delivery in zip(messages, again, strict=True):
             if delivery.final is None or not delivery.final.duplicate:
@@ -397,7 +409,6 @@ class _Kit:
                     name, f"a later duplicate was not replayed: {_story(delivery, None)}"
                 )
             await self._expect_clean(name, message, "after a later duplicate")
-        return True
 
     # --- delivering -------------------------------------------------------------------------
 
@@ -710,6 +721,19 @@ class _Kit:
         async with self.pool.acquire() as conn:
             value = self.effect(cast(asyncpg.Connection, conn), message)
             return await value if inspect.isawaitable(value) else value
+
+
+def _expect_settled(name: str, deliveries: list[Delivery]) -> None:
+    """Every delivery of scenario ``name`` settled, none dead-lettered."""
+    for delivery in deliveries:
+        if not delivery.acked:
+            raise NotIdempotent(name, f"never settled: {_story(delivery, None)}")
+        if delivery.dead_letter_reason is not None:
+            raise NotIdempotent(
+                name,
+                f"dead-lettered ({delivery.dead_letter_reason}), where one clean delivery "
+                f"executes it: {_story(delivery, None)}",
+            )
 
 
 def _unique(messages: Sequence[ConsumerMessage]) -> list[ConsumerMessage]:

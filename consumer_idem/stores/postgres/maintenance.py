@@ -226,6 +226,105 @@ def _paced(next_at: float, started: float, picked: int, pace: float) -> float:
     return max(next_at, started) + picked / pace if pace else next_at
 
 
+def _checked_prune_args(
+    batch_size: int,
+    max_batches: int | None,
+    max_rows_per_s: Any,
+    audit_retention: timedelta | float,
+) -> tuple[float, timedelta]:
+    """Prune's pace (rows a second, 0.0: unpaced) and ``audit_retention`` as a duration,
+    once its bounds are known to make sense."""
+    if batch_size < 1:  # a batch of none would never finish
+        raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+    if max_batches is not None and max_batches < 1:  # none run: nothing could be said
+        raise ValueError(f"max_batches must be at least 1 (or None), not {max_batches}")
+    pace = _pace(max_rows_per_s)
+    audit_s = seconds(audit_retention)
+    if audit_s < timedelta(0):  # a soft-expired row already due: this prune would delete it
+        raise ValueError(f"audit_retention must not be negative, not {audit_retention!r}")
+    return pace, audit_s
+
+
+def _prune_statement(
+    store: PostgresStore, policy: PrunePolicy, audit_s: timedelta
+) -> tuple[str, tuple[Any, ...]]:
+    """The statement every batch of a prune under ``policy`` runs (built once per prune),
+    and its arguments after the batch size ($1), the keyset cursor ($2) and the first
+    batch's now() ($3)."""
+    live = "('completed', 'failed_retryable', 'expired')"
+    # Oldest first, along the expiry index, each batch starting where the last one ended
+    # ($2): no batch walks again over the index entries of rows deleted before it (dead
+    # until vacuumed) or of old rows that are never pruned (unknown, in progress). Without
+    # the ORDER BY the planner may pick a sequential scan, and a batch then reads every
+    # live row stored ahead of the expired ones.
+    # What had expired when the prune began ($3, the first batch's now(), which it answers;
+    # LEAST skips its NULL in the first batch, and a clock stepped back since then keeps
+    # each batch to its own now()): a prune ends, however long its pace makes it, and never
+    # meets again the rows it soft-expired itself (their new expiry is after it began).
+    due = (
+        f"FROM {store.table} WHERE expires_at < least($3::timestamptz, now())"
+        f" AND expires_at >= $2 AND status IN {live}"
+        " ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED"
+    )
+    # What comes back is one row per scope (its count, the batch's last expiry, and the
+    # keys only when a cache must drop them), not one per record: a batch is then a few
+    # rows for the client to read, whatever its size, which matters when the prune shares
+    # an event loop with live work.
+    # A last row (scope NULL) counts what the batch picked and its last expiry: a picked row
+    # changed meanwhile (FOR UPDATE then locks its new version, which this statement cannot
+    # see to delete) is not pruned, so the pruned count alone would end the prune early.
+    keys, no_keys = (", array_agg(key) AS keys", ", NULL") if store.cache is not None else ("", "")
+    # The attempts counted for a pruned key go with its record (``att``): the key is new
+    # work now, with a budget of its own.
+    counts = DeliveryAttempts(store)
+    summary = (
+        f", att AS ({counts.forget_pruned('done')})"
+        f" SELECT scope, count(*) AS n, max(expires_at) AS last{keys}, NULL::timestamptz AS at,"
+        " NULL::bigint AS attempts FROM done GROUP BY scope"
+        f" UNION ALL SELECT NULL, count(*), max(expires_at){no_keys}, now(),"
+        " (SELECT count(*) FROM att) FROM d"
+    )
+    # The batch's rows are found again by their physical address (table and ctid), not
+    # their key: they are locked (FOR UPDATE) since they were picked, so it cannot move,
+    # and a batch then costs no walk down the primary key per row (random pages of an index
+    # as big as the store), which is what the live reservations beside a prune waited for.
+    # The table (tableoid) is part of the address: a partitioned store repeats a ctid in
+    # every partition.
+    at = "t.tableoid = d.rel AND t.ctid = d.tid"
+    if policy is PrunePolicy.DELETE:
+        # MATERIALIZED, as in sweep: evaluated once, so LIMIT bounds the batch
+        sql = (
+            f"WITH d AS MATERIALIZED (SELECT tableoid AS rel, ctid AS tid, expires_at {due}),"
+            f" done AS (DELETE FROM {store.table} t USING d WHERE {at}"
+            " RETURNING t.scope, t.key, t.expires_at)"
+            f"{summary}"
+        )
+        return sql, ()
+    sql = (
+        "WITH d AS MATERIALIZED (SELECT tableoid AS rel, ctid AS tid, scope, key, status,"
+        f" expires_at {due}),"
+        f" gone AS (DELETE FROM {store.table} t USING d WHERE {at}"
+        " AND d.status = 'expired' RETURNING t.scope, t.key, d.expires_at),"
+        f" soft AS (UPDATE {store.table} t SET status = 'expired', updated_at = now(),"
+        f" expires_at = now() + $4::interval FROM d WHERE {at}"
+        " AND d.status <> 'expired' RETURNING t.scope, t.key, d.expires_at),"
+        " done AS (SELECT * FROM gone UNION ALL SELECT * FROM soft)"
+        f"{summary}"
+    )
+    return sql, (audit_s,)
+
+
+@dataclass(frozen=True, slots=True)
+class _PrunedBatch:
+    """What one prune batch answered, in its own row and its scopes' rows."""
+
+    picked: int  #: rows the batch picked (a row changed meanwhile is picked, not pruned)
+    last: datetime | None  #: the last expiry among those picked (None: none picked)
+    at: datetime  #: the batch's now()
+    forgotten: int  #: delivery attempt counts deleted with the pruned keys
+    pruned: int  #: records deleted or soft-expired
+
+
 class Maintenance:
     """The store's housekeeping and inspection (``store.maintenance``)."""
 
@@ -309,80 +408,11 @@ class Maintenance:
 
         A row another transaction holds locked at the time is skipped (SKIP LOCKED) and left
         to the next prune, so ``finished`` says that this prune found nothing more to take."""
-        if batch_size < 1:  # a batch of none would never finish
-            raise ValueError(f"batch_size must be at least 1, not {batch_size}")
-        if max_batches is not None and max_batches < 1:  # none run: nothing could be said
-            raise ValueError(f"max_batches must be at least 1 (or None), not {max_batches}")
-        pace = _pace(max_rows_per_s)
-        audit_s = seconds(audit_retention)
-        if audit_s < timedelta(0):  # a soft-expired row already due: this prune would delete it
-            raise ValueError(f"audit_retention must not be negative, not {audit_retention!r}")
+        pace, audit_s = _checked_prune_args(
+            batch_size, max_batches, max_rows_per_s, audit_retention
+        )
         stop = stop if stop is not None else asyncio.Event()  # one kind of wait, set or not
-        store = self.store
-        live = "('completed', 'failed_retryable', 'expired')"
-        # Oldest first, along the expiry index, each batch starting where the last one ended
-        # ($2): no batch walks again over the index entries of rows deleted before it (dead
-        # until vacuumed) or of old rows that are never pruned (unknown, in progress). Without
-        # the ORDER BY the planner may pick a sequential scan, and a batch then reads every
-        # live row stored ahead of the expired ones.
-        # What had expired when the prune began ($3, the first batch's now(), which it answers;
-        # LEAST skips its NULL in the first batch, and a clock stepped back since then keeps
-        # each batch to its own now()): a prune ends, however long its pace makes it, and never
-        # meets again the rows it soft-expired itself (their new expiry is after it began).
-        due = (
-            f"FROM {store.table} WHERE expires_at < least($3::timestamptz, now())"
-            f" AND expires_at >= $2 AND status IN {live}"
-            " ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED"
-        )
-        # What comes back is one row per scope (its count, the batch's last expiry, and the
-        # keys only when a cache must drop them), not one per record: a batch is then a few
-        # rows for the client to read, whatever its size, which matters when the prune shares
-        # an event loop with live work.
-        # A last row (scope NULL) counts what the batch picked and its last expiry: a picked row
-        # changed meanwhile (FOR UPDATE then locks its new version, which this statement cannot
-        # see to delete) is not pruned, so the pruned count alone would end the prune early.
-        keys, no_keys = (
-            (", array_agg(key) AS keys", ", NULL") if store.cache is not None else ("", "")
-        )
-        # The attempts counted for a pruned key go with its record (``att``): the key is new
-        # work now, with a budget of its own.
-        counts = DeliveryAttempts(store)
-        summary = (
-            f", att AS ({counts.forget_pruned('done')})"
-            f" SELECT scope, count(*) AS n, max(expires_at) AS last{keys}, NULL::timestamptz AS at,"
-            " NULL::bigint AS attempts FROM done GROUP BY scope"
-            f" UNION ALL SELECT NULL, count(*), max(expires_at){no_keys}, now(),"
-            " (SELECT count(*) FROM att) FROM d"
-        )
-        # The batch's rows are found again by their physical address (table and ctid), not
-        # their key: they are locked (FOR UPDATE) since they were picked, so it cannot move,
-        # and a batch then costs no walk down the primary key per row (random pages of an index
-        # as big as the store), which is what the live reservations beside a prune waited for.
-        # The table (tableoid) is part of the address: a partitioned store repeats a ctid in
-        # every partition.
-        at = "t.tableoid = d.rel AND t.ctid = d.tid"
-        if policy is PrunePolicy.DELETE:
-            # MATERIALIZED, as in sweep: evaluated once, so LIMIT bounds the batch
-            sql = (
-                f"WITH d AS MATERIALIZED (SELECT tableoid AS rel, ctid AS tid, expires_at {due}),"
-                f" done AS (DELETE FROM {store.table} t USING d WHERE {at}"
-                " RETURNING t.scope, t.key, t.expires_at)"
-                f"{summary}"
-            )
-            args: tuple[Any, ...] = (batch_size,)
-        else:
-            sql = (
-                "WITH d AS MATERIALIZED (SELECT tableoid AS rel, ctid AS tid, scope, key, status,"
-                f" expires_at {due}),"
-                f" gone AS (DELETE FROM {store.table} t USING d WHERE {at}"
-                " AND d.status = 'expired' RETURNING t.scope, t.key, d.expires_at),"
-                f" soft AS (UPDATE {store.table} t SET status = 'expired', updated_at = now(),"
-                f" expires_at = now() + $4::interval FROM d WHERE {at}"
-                " AND d.status <> 'expired' RETURNING t.scope, t.key, d.expires_at),"
-                " done AS (SELECT * FROM gone UNION ALL SELECT * FROM soft)"
-                f"{summary}"
-            )
-            args = (batch_size, audit_s)
+        sql, extra = _prune_statement(self.store, policy, audit_s)
         report = PruneReport(policy=policy)
         after = datetime.min.replace(tzinfo=UTC)  # the keyset cursor: expires_at of the last
         began_at: datetime | None = None  # the database's now() in the first batch
@@ -391,40 +421,59 @@ class Maintenance:
             if next_at and not await _wait_until(next_at, stop):
                 break  # stopped while pacing (the last batch was full: not finished)
             started = time.perf_counter()
-            batch_args = (args[0], after, began_at, *args[1:])
-
-            async def batch(c: Any, a: tuple[Any, ...] = batch_args) -> list[Any]:
-                return list(await c.fetch(sql, *a, timeout=store.command_timeout))
-
-            rows = await store.run("prune", "", None, batch)
+            rows = await self._prune_batch(sql, (batch_size, after, began_at, *extra))
             elapsed = time.perf_counter() - started
-            scopes = [r for r in rows if r["scope"] is not None]
-            # the batch's own row: what it picked, the last expiry among those (None: none) and
-            # its now(), the cutoff of every later batch
-            picked, last, at, forgotten = next(
-                (r["n"], r["last"], r["at"], r["attempts"]) for r in rows if r["scope"] is None
-            )
-            began_at = began_at or at
-            pruned = sum(r["n"] for r in scopes)
-            if last is not None:
-                after = last
-            for r in scopes:
-                store.metrics.inc("pruned", r["scope"], r["n"])
-            if store.cache is not None:  # expired records are never replayed: drop them
-                await store.cache.drop_expired(
-                    (r["scope"], key) for r in scopes for key in r["keys"]
-                )
+            batch = await self._book_prune_batch(rows)
+            began_at = began_at or batch.at
+            after = after if batch.last is None else batch.last
             report = _one_more_batch(
-                report, picked, batch_size, elapsed, on_batch, rows=pruned, attempts=forgotten
+                report,
+                batch.picked,
+                batch_size,
+                elapsed,
+                on_batch,
+                rows=batch.pruned,
+                attempts=batch.forgotten,
             )
-            if picked < batch_size or stop.is_set():
+            if batch.picked < batch_size or stop.is_set():
                 break
-            next_at = _paced(next_at, started, picked, pace)
+            next_at = _paced(next_at, started, batch.picked, pace)
         if report.finished and not stop.is_set():
             report = await self._prune_attempts(
                 report, batch_size, max_batches, pace, stop, on_batch
             )
         return report
+
+    async def _prune_batch(self, sql: str, args: tuple[Any, ...]) -> list[Any]:
+        """Run one prune batch: ``sql`` (see :func:`_prune_statement`) with ``args``."""
+        store = self.store
+
+        async def batch(c: Any) -> list[Any]:
+            return list(await c.fetch(sql, *args, timeout=store.command_timeout))
+
+        return await store.run("prune", "", None, batch)
+
+    async def _book_prune_batch(self, rows: list[Any]) -> _PrunedBatch:
+        """One prune batch's bookkeeping from the ``rows`` it answered: its metrics, the
+        cache's dropped keys, and what the next batch and the report need."""
+        store = self.store
+        scopes = [r for r in rows if r["scope"] is not None]
+        # the batch's own row: what it picked, the last expiry among those (None: none) and
+        # its now(), the cutoff of every later batch
+        picked, last, at, forgotten = next(
+            (r["n"], r["last"], r["at"], r["attempts"]) for r in rows if r["scope"] is None
+        )
+        for r in scopes:
+            store.metrics.inc("pruned", r["scope"], r["n"])
+        if store.cache is not None:  # expired records are never replayed: drop them
+            await store.cache.drop_expired((r["scope"], key) for r in scopes for key in r["keys"])
+        return _PrunedBatch(
+            picked=picked,
+            last=last,
+            at=at,
+            forgotten=forgotten,
+            pruned=sum(r["n"] for r in scopes),
+        )
 
     async def _prune_attempts(
         self,
