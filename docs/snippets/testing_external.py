@@ -1,4 +1,5 @@
-"""The testing kit reaches your handler's own call: it takes effect, then times out."""
+"""The testing kit reaches your handler's own call: it takes effect, then
+times out."""
 
 import asyncio
 import json
@@ -17,9 +18,16 @@ from consumer_idem import (
     Retryable,
     idempotent_consumer,
 )
-from consumer_idem.testing import ExternalCall, NotIdempotent, assert_idempotent, fresh_store
+from consumer_idem.testing import (
+    ExternalCall,
+    NotIdempotent,
+    assert_idempotent,
+    fresh_store,
+)
 
-DSN = os.environ.get("CONSUMER_IDEM_PG_DSN", "postgresql://postgres:postgres@127.0.0.1/postgres")
+DSN = os.environ.get(
+    "CONSUMER_IDEM_PG_DSN", "postgresql://postgres:postgres@127.0.0.1/postgres"
+)
 
 
 # --8<-- [start:handler]
@@ -28,15 +36,20 @@ class GatewayTimeout(Exception):
 
 
 def charge_handler(store: PostgresStore, charge: Any) -> Any:
-    """A two-phase handler built on the call it makes: production passes the real client's
-    method, a test passes it wrapped in ExternalCall."""
+    """A two-phase handler built on the call it makes: production passes the
+    real client's method, a test passes it wrapped in ExternalCall."""
 
     @idempotent_consumer(store, scope="docs.charge", mode="two_phase")
-    async def charge_payment(message: ConsumerMessage, attempt: Attempt) -> dict[str, Any]:
+    async def charge_payment(
+        message: ConsumerMessage, attempt: Attempt
+    ) -> dict[str, Any]:
         payment = message.json()
         try:
-            result: dict[str, Any] = await charge(payment["id"], payment["amount"])
-        except GatewayTimeout as exc:  # the request left: the card may have been charged
+            result: dict[str, Any] = await charge(
+                payment["id"], payment["amount"]
+            )
+        # the request left: the card may have been charged
+        except GatewayTimeout as exc:
             raise Ambiguous(f"gateway timeout: {exc}") from exc
         return result
 
@@ -47,7 +60,8 @@ def charge_handler(store: PostgresStore, charge: Any) -> Any:
 
 
 class FakeGateway:
-    """Charges on every request, as a gateway that keeps no idempotency keys does."""
+    """Charges on every request, as a gateway that keeps no idempotency keys
+    does."""
 
     def __init__(self) -> None:
         self.charges: Counter[str] = Counter()
@@ -67,21 +81,30 @@ async def main() -> None:
     async with fresh_store(DSN) as store:
         # --8<-- [start:kit]
         gateway = FakeGateway()
-        call = ExternalCall(gateway.charge, failure=lambda: GatewayTimeout("read timeout"))
+        call = ExternalCall(
+            gateway.charge, failure=lambda: GatewayTimeout("read timeout")
+        )
         consumer = charge_handler(store, call)
 
-        async def charged(conn: asyncpg.Connection, message: ConsumerMessage) -> int:
+        async def charged(
+            conn: asyncpg.Connection, message: ConsumerMessage
+        ) -> int:
             return gateway.charges[message.json()["id"]]
 
-        report = await assert_idempotent(consumer, new_payment, charged, external=call)
+        report = await assert_idempotent(
+            consumer, new_payment, charged, external=call
+        )
         assert "the call took effect, then failed" in report.passed
         # --8<-- [end:kit]
         print(f"{len(report.passed)} scenarios passed")
 
     async with fresh_store(DSN) as store:
-        # the same handler, turning the timeout into Retryable: it charges twice, and says so
+        # the same handler, turning the timeout into Retryable: it charges
+        # twice, and says so
         gateway = FakeGateway()
-        call = ExternalCall(gateway.charge, failure=lambda: GatewayTimeout("read timeout"))
+        call = ExternalCall(
+            gateway.charge, failure=lambda: GatewayTimeout("read timeout")
+        )
 
         @idempotent_consumer(store, scope="docs.charge", mode="two_phase")
         async def retrying(message: ConsumerMessage, attempt: Attempt) -> Any:
@@ -91,11 +114,15 @@ async def main() -> None:
             except GatewayTimeout as exc:
                 raise Retryable("gateway timeout") from exc
 
-        async def charged_twice(conn: asyncpg.Connection, message: ConsumerMessage) -> int:
+        async def charged_twice(
+            conn: asyncpg.Connection, message: ConsumerMessage
+        ) -> int:
             return gateway.charges[message.json()["id"]]
 
         try:
-            await assert_idempotent(retrying, new_payment, charged_twice, external=call)
+            await assert_idempotent(
+                retrying, new_payment, charged_twice, external=call
+            )
         except NotIdempotent as caught:
             assert caught.scenario == "the call took effect, then failed"
             print(caught)
