@@ -99,12 +99,12 @@ async def main() -> None:
         )
     await producer.stop()
     await app.start()
-    query = "SELECT count(*) FROM faststream_ledger WHERE payment_id = $1"
+    q = "SELECT count(*) FROM faststream_ledger WHERE payment_id = $1"
     async with asyncio.timeout(30):
-        while await store.pool.fetchval(query, payment_id) < 1:  # noqa: ASYNC110
+        while not await store.pool.fetchval(q, payment_id):  # noqa: ASYNC110
             await asyncio.sleep(0.1)
     await asyncio.sleep(1)  # the two duplicates come right after: they replay
-    rows = await store.pool.fetchval(query, payment_id)
+    rows = await store.pool.fetchval(q, payment_id)
     await app.stop()
     print(f"booked {rows} time(s)")
     assert rows == 1

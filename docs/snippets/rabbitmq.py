@@ -64,7 +64,7 @@ async def main() -> None:
             message = aio_pika.Message(body, headers=key)
             await channel.default_exchange.publish(message, routing_key=QUEUE)
         async with asyncio.timeout(30):
-            while runner.stats.duplicates < 2:  # noqa: ASYNC110 (a demo: it polls)
+            while runner.stats.duplicates < 2:  # noqa: ASYNC110 (it polls)
                 await asyncio.sleep(0.1)
     stop.set()
     await running
