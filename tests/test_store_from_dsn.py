@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 
 import asyncpg
 import pytest
 
-from consumer_idem import DecisionKind, PostgresStore
+from consumer_idem import ConfigurationError, DecisionKind, PostgresStore
 
 FP = "v1:jcs:aaa"
 
@@ -29,7 +30,7 @@ async def settled(pg_dsn: str, name: str, expected: int) -> int:
     """The count once it reaches ``expected`` (a closed backend leaves the view soon after),
     or what it is after five seconds."""
     async with asyncio.timeout(5):
-        while (count := await connections(pg_dsn, name)) != expected:
+        while (count := await connections(pg_dsn, name)) != expected:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
     return count
 
@@ -69,9 +70,7 @@ async def test_many_tasks_using_a_new_store_at_once_open_exactly_one_pool(
     try:
         # 20 first uses at once, before any pool exists: one pool of 2 connections serves
         # them all (a pool per task would open 40)
-        decisions = await asyncio.gather(
-            *(store.reserve("s", f"k{i}", FP) for i in range(20))
-        )
+        decisions = await asyncio.gather(*(store.reserve("s", f"k{i}", FP) for i in range(20)))
         assert {d.kind for d in decisions} == {DecisionKind.EXECUTE}
         assert await connections(pg_dsn, name) == 2
     finally:
@@ -103,3 +102,24 @@ async def test_an_unreachable_database_fails_open_with_the_outage_and_a_retry_ca
     with pytest.raises(OSError):  # a failed creation is not kept: the next use tries again
         await store.open()
     await store.close()  # nothing to close: no error
+
+
+async def test_a_pool_open_in_another_running_loop_is_refused_until_closed(
+    pg_dsn: str,
+) -> None:
+    store, name = named_store(pg_dsn)
+    other = asyncio.new_event_loop()
+    thread = threading.Thread(target=other.run_forever, daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(store.open(), other).result(timeout=30)
+        with pytest.raises(ConfigurationError, match="another event loop"):
+            await store.open()
+        asyncio.run_coroutine_threadsafe(store.close(), other).result(timeout=30)
+        await store.open()  # closed there: this loop opens its own
+        assert await connections(pg_dsn, name) == 2
+    finally:
+        await store.close()
+        other.call_soon_threadsafe(other.stop)
+        thread.join(timeout=10)
+        other.close()

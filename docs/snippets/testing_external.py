@@ -1,6 +1,7 @@
 """The testing kit reaches your handler's own call: it takes effect, then
 times out."""
 
+# --8<-- [start:handler]
 import asyncio
 import json
 import os
@@ -30,7 +31,6 @@ DSN = os.environ.get(
 )
 
 
-# --8<-- [start:handler]
 class GatewayTimeout(Exception):
     """Your client's error when the gateway's answer did not come in time."""
 
@@ -59,6 +59,7 @@ def charge_handler(store: PostgresStore, charge: Any) -> Any:
 # --8<-- [end:handler]
 
 
+# --8<-- [start:kit]
 class FakeGateway:
     """Charges on every request, as a gateway that keeps no idempotency keys
     does."""
@@ -79,7 +80,6 @@ def new_payment() -> ConsumerMessage:
 
 async def main() -> None:
     async with fresh_store(DSN) as store:
-        # --8<-- [start:kit]
         gateway = FakeGateway()
         call = ExternalCall(
             gateway.charge, failure=lambda: GatewayTimeout("read timeout")
@@ -95,7 +95,6 @@ async def main() -> None:
             consumer, new_payment, charged, external=call
         )
         assert "the call took effect, then failed" in report.passed
-        # --8<-- [end:kit]
         print(f"{len(report.passed)} scenarios passed")
 
     async with fresh_store(DSN) as store:
@@ -128,6 +127,9 @@ async def main() -> None:
             print(caught)
         else:
             raise AssertionError("a handler that charges twice passed")
+
+
+# --8<-- [end:kit]
 
 
 asyncio.run(main())

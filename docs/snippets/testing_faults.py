@@ -1,6 +1,7 @@
 """Fault injection for your own tests: a COMMIT that lands while the client
 never hears."""
 
+# --8<-- [start:faults]
 import asyncio
 import os
 import uuid
@@ -41,7 +42,6 @@ async def main() -> None:
         b'{"id": "%s"}' % pid.encode(), {"idempotency-key": pid.encode()}
     )
 
-    # --8<-- [start:faults]
     faulty = FaultyPool(pool)
     store = PostgresStore(faulty)
     consumer = idempotent_consumer(store, scope="docs.faults")(book_payment)
@@ -50,7 +50,6 @@ async def main() -> None:
     delivery = await deliver(consumer.process, message)
     # the redelivery replayed it: booked once
     assert delivery.acked and delivery.final.duplicate
-    # --8<-- [end:faults]
     rows = await pool.fetchval(
         "SELECT count(*) FROM faults_ledger WHERE payment_id = $1", pid
     )
@@ -63,6 +62,9 @@ async def main() -> None:
     )
     print(f"{delivery.deliveries} deliveries, booked {rows} time(s)")
     await pool.close()
+
+
+# --8<-- [end:faults]
 
 
 asyncio.run(main())
