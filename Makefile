@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
 
-.PHONY: venv services services-down demo test test-fast lint typecheck pytest pytest-pg18 bench clean docs package
+.PHONY: venv services services-down demo test test-fast lint typecheck pytest pytest-pg18 bench clean docs docs-serve package
 
 venv: $(VENV_STAMP)
 
@@ -40,6 +40,7 @@ test: venv lint typecheck docs package services
 	scripts/pytest-pg18
 	scripts/wheel-quickstart
 	scripts/wheel-testing
+	scripts/wheel-snippets
 
 # Seconds, no service needed: the pure tests (keys, fingerprints, signatures, verdicts, options).
 test-fast: venv
@@ -48,6 +49,10 @@ test-fast: venv
 # The docs site into site/ (git-ignored). --strict: a broken link or include fails the build.
 docs: venv
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
+
+# The docs site, live on http://127.0.0.1:8000 while you edit (mkdocs serve).
+docs-serve: venv
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs serve
 
 # The wheel and sdist into dist/ (git-ignored), checked as the package index will render them.
 package: venv

@@ -51,23 +51,22 @@ kafka = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=Tru
 # a bounded prefetch: FastStream handles the messages in hand concurrently
 rabbit = RabbitBroker(settings.amqp_url, default_channel=Channel(prefetch_count=PREFETCH))
 
-_stores: list[PostgresStore] = []  # opened on startup, when there is an event loop
-
-
-def current_store() -> PostgresStore:
-    return _stores[0]
+# made now, its pool opened by open_store below (or by its first use)
+store = PostgresStore.from_dsn(
+    settings.pg_dsn, schema=settings.schema_name, min_size=2, max_size=10
+)
 
 
 # One middleware per broker (it publishes dead letters and notices through its broker), both
 # on the same store and scope.
 kafka_router = KafkaRouter(
     middlewares=[
-        Idempotency(current_store, broker=kafka, scope=LEDGER_SCOPE, key=header("idempotency-key"))
+        Idempotency(store, broker=kafka, scope=LEDGER_SCOPE, key=header("idempotency-key"))
     ]
 )
 rabbit_router = RabbitRouter(
     middlewares=[
-        Idempotency(current_store, broker=rabbit, scope=LEDGER_SCOPE, key=header("idempotency-key"))
+        Idempotency(store, broker=rabbit, scope=LEDGER_SCOPE, key=header("idempotency-key"))
     ]
 )
 
@@ -113,12 +112,10 @@ rabbit.include_router(rabbit_router)
 
 
 async def open_store() -> None:
-    pool = await asyncpg.create_pool(settings.pg_dsn, min_size=2, max_size=10)
-    assert pool is not None
-    store = PostgresStore(pool, schema=settings.schema_name)
+    await store.open()  # an unreachable database fails the start-up
     await store.migrate()
-    await ensure_tables(pool)
-    _stores.append(store)
+    async with store.pool.acquire() as conn:
+        await ensure_tables(conn)
     # the confirmations' queue, before any subscriber runs: the publisher's publishes are
     # mandatory, and an unroutable confirmation would hold its payment back
     await rabbit.connect()
@@ -126,9 +123,7 @@ async def open_store() -> None:
 
 
 async def close_store() -> None:
-    for store in _stores:
-        await store.pool.close()
-    _stores.clear()
+    await store.close()
 
 
 app = FastStream(

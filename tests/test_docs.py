@@ -13,13 +13,17 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import builtins
 import contextlib
+import html
 import os
 import re
 import shlex
 import subprocess
 import sys
+import textwrap
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,14 +41,6 @@ FENCE = re.compile(r"^```([\w+-]*)[^\n]*\n(.*?)^```", re.S | re.M)
 INCLUDE = re.compile(r'^--8<-- "([^"]+)"$')
 PYTHON = {"python", "py", "python3", "pycon"}
 SHELL = {"sh", "bash", "shell", "console"}
-#: README sections other engineers still edit: the lead moves them to the site at the end
-README_PENDING = (
-    "Kafka runner",
-    "RabbitMQ runner",
-    "Redis: a cache in front of Postgres",
-    "Outbox",
-    "Benchmarks",
-)
 
 
 def blocks(text: str) -> Iterator[tuple[str, str]]:
@@ -285,16 +281,129 @@ def test_the_readme_quickstart_is_the_tested_program() -> None:
 
 
 def test_the_readme_holds_no_other_python() -> None:
-    """Only the quickstart: code of every other kind lives on the site, tested. (The sections
-    of ``README_PENDING`` are still being edited; they move to the site when they are done.)"""
+    """Only the quickstart: code of every other kind lives on the site, tested."""
     readme = (ROOT / "README.md").read_text()
     quickstart = (SNIPPETS / "quickstart.py").read_text()
-    sections = re.split(r"^(?=## |\*\*(?:Kafka|RabbitMQ) runner\*\*)", readme, flags=re.M)
-    untested = [
-        body
-        for section in sections
-        if not any(section.lstrip("#* ").startswith(name) for name in README_PENDING)
-        for lang, body in blocks(section)
-        if lang in PYTHON and body != quickstart
-    ]
+    untested = [body for lang, body in blocks(readme) if lang in PYTHON and body != quickstart]
     assert untested == [], "the README holds Python that no test runs"
+
+
+def test_the_readme_is_a_landing_page_with_links_into_the_repository() -> None:
+    """At most 150 lines, and every link resolves here: to a file of the repository (the docs
+    site is not published), or to an anchor of a page."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    links = re.findall(r"\]\(([^)\s]+)\)", readme)
+    assert len(links) > 15
+    for link in links:
+        assert not link.startswith("http"), f"README links outside the repository: {link}"
+        assert (ROOT / link.partition("#")[0]).exists(), f"README links to a missing {link}"
+
+
+def test_no_file_links_to_the_unpublished_docs_site() -> None:
+    site = "consumer-idem.github." + "io"  # spelled apart: this file is searched too
+    hits = [
+        str(path.relative_to(ROOT))
+        for path in ROOT.rglob("*")
+        if path.is_file()
+        and not {".git", ".venv", "site", "dist", ".mypy_cache"} & set(path.relative_to(ROOT).parts)
+        and path.suffix in {".md", ".py", ".toml", ".yml", ".yaml", ".cfg", ".txt", ""}
+        and site in path.read_text(errors="replace")
+    ]
+    assert hits == [], f"links to {site}, which does not resolve: {hits}"
+
+
+# --- the rendered site -----------------------------------------------------------------------
+
+#: the width of the rendered code column, in characters (beyond it a line is clipped)
+CODE_COLUMN = 80
+RENDERED_BLOCK = re.compile(
+    r'<div class="language-([\w+-]+) highlight"><pre>(?:<span></span>)?<code>(.*?)</code></pre>',
+    re.S,
+)
+
+
+@pytest.fixture(scope="session")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site as ``make docs`` builds it (``--strict``), in a folder of this session's."""
+    out = tmp_path_factory.mktemp("site")
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stderr}"
+    return out
+
+
+def rendered_pages(site: Path) -> list[Path]:
+    """The HTML of each page written in docs/ (the API reference aside: it is generated)."""
+    pages = [
+        site / page.relative_to(DOCS).with_suffix("") / "index.html"
+        if page.name != "index.md"
+        else site / page.relative_to(DOCS).parent / "index.html"
+        for page in PAGES
+        if "reference" not in page.relative_to(DOCS).parts
+    ]
+    assert len(pages) > 20 and all(page.is_file() for page in pages)
+    return pages
+
+
+def rendered_blocks(page: Path) -> Iterator[tuple[str, str]]:
+    """(language, text) of each code block of a rendered page, as a reader copies it."""
+    for match in RENDERED_BLOCK.finditer(page.read_text()):
+        yield match[1], html.unescape(re.sub(r"<[^>]+>", "", match[2]))
+
+
+def names_missing(sources: list[str]) -> set[str]:
+    """Names the code uses that none of ``sources`` imports, defines or binds, nor Python
+    itself (a reader pasting every block of the page in order would meet a NameError)."""
+    bound: set[str] = set(dir(builtins))
+    used: set[str] = set()
+    for source in sources:
+        for node in ast.walk(ast.parse(textwrap.dedent(source))):
+            if isinstance(node, ast.Name):
+                (bound if isinstance(node.ctx, ast.Store | ast.Del) else used).add(node.id)
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                bound.add(node.name)
+            elif isinstance(node, ast.arg):
+                bound.add(node.arg)
+            elif isinstance(node, ast.alias):
+                bound.add((node.asname or node.name).split(".")[0])
+            elif isinstance(node, ast.ExceptHandler) and node.name:
+                bound.add(node.name)
+    return used - bound
+
+
+def test_the_name_check_finds_a_missing_import() -> None:
+    assert names_missing(["broker = KafkaBroker(BOOTSTRAP)"]) == {"KafkaBroker", "BOOTSTRAP"}
+    assert names_missing(["import os\n", "x = os.environ\nfor k in x: print(k)"]) == set()
+
+
+def test_every_rendered_page_holds_the_imports_its_code_uses(site: Path) -> None:
+    checked = 0
+    for page in rendered_pages(site):
+        python = [text for lang, text in rendered_blocks(page) if lang in PYTHON]
+        missing = names_missing(python)
+        assert not missing, (
+            f"{page.relative_to(site)}: its code uses {sorted(missing)}, which no block of "
+            "the page imports or defines: pasted as shown, it fails with a NameError "
+            "(start the included section at the file's imports)"
+        )
+        checked += len(python)
+    assert checked > 20
+
+
+def test_no_rendered_code_line_is_wider_than_the_code_column(site: Path) -> None:
+    wide = [
+        f"{page.relative_to(site)}: {len(line)} characters: {line}"
+        for page in rendered_pages(site)
+        for lang, text in rendered_blocks(page)
+        if lang in PYTHON or lang in {"sh", "bash", "shell"}  # code; output may scroll
+        for line in text.splitlines()
+        if len(line) > CODE_COLUMN
+    ]
+    assert wide == [], "clipped at the rendered code column:\n" + "\n".join(wide)

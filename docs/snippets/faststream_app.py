@@ -3,32 +3,34 @@
 faststream run faststream_app:app
 """
 
-import asyncio
-import json
+# --8<-- [start:app]
 import os
-import uuid
 from typing import Any
 
-import asyncpg
-from aiokafka import AIOKafkaProducer
 from faststream import AckPolicy, FastStream
 from faststream.kafka import KafkaBroker, KafkaRouter
 
 from consumer_idem import PostgresStore, header
-from consumer_idem.faststream import CurrentIdempotency, Idempotency, IdempotentConnection
+from consumer_idem.faststream import (
+    CurrentIdempotency,
+    Idempotency,
+    IdempotentConnection,
+)
 
-DSN = os.environ.get("CONSUMER_IDEM_PG_DSN", "postgresql://postgres:postgres@127.0.0.1/postgres")
+DSN = os.environ.get(
+    "CONSUMER_IDEM_PG_DSN", "postgresql://postgres:postgres@127.0.0.1/postgres"
+)
 BOOTSTRAP = os.environ.get("CONSUMER_IDEM_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
-TOPIC = os.environ.get("DOCS_TOPIC", "docs.faststream.payments")  # the tests pass a fresh one
+# the docs' tests pass a fresh topic
+TOPIC = os.environ.get("DOCS_TOPIC", "docs.faststream.payments")
 
-# --8<-- [start:app]
 broker = KafkaBroker(BOOTSTRAP, acks="all", enable_idempotence=True)
-stores: list[PostgresStore] = []  # opened on start-up, when there is an event loop
+store = PostgresStore.from_dsn(DSN)  # its pool opens on start-up, below
 
 router = KafkaRouter(
     middlewares=[
         Idempotency(
-            lambda: stores[0],  # the store, or a function returning it
+            store,
             broker=broker,
             scope="docs.faststream.ledger",
             key=header("idempotency-key"),
@@ -38,14 +40,22 @@ router = KafkaRouter(
 
 
 @router.subscriber(
-    TOPIC, group_id=f"{TOPIC}.ledger", auto_offset_reset="earliest", ack_policy=AckPolicy.MANUAL
+    TOPIC,
+    group_id=f"{TOPIC}.ledger",
+    auto_offset_reset="earliest",
+    ack_policy=AckPolicy.MANUAL,
 )
 @router.publisher(f"{TOPIC}.recorded")
 async def book(
     body: dict[str, Any], conn: IdempotentConnection, idem: CurrentIdempotency
 ) -> dict[str, str]:
-    await conn.execute("INSERT INTO faststream_ledger VALUES ($1, $2)", body["id"], body["cents"])
-    return {"recorded": body["id"], "key": idem.key}  # stored; published again for duplicates
+    await conn.execute(
+        "INSERT INTO faststream_ledger VALUES ($1, $2)",
+        body["id"],
+        body["cents"],
+    )
+    # stored with the record; published again for each duplicate
+    return {"recorded": body["id"], "key": idem.key}
 
 
 broker.include_router(router)
@@ -54,18 +64,31 @@ app = FastStream(broker)
 
 @app.on_startup
 async def open_store() -> None:
-    pool = await asyncpg.create_pool(DSN)
-    store = PostgresStore(pool)
+    await store.open()  # an unreachable database fails the start-up
     await store.migrate()
-    await pool.execute("CREATE TABLE IF NOT EXISTS faststream_ledger (payment_id text, cents int)")
-    stores.append(store)
+    await store.pool.execute(
+        "CREATE TABLE IF NOT EXISTS faststream_ledger"
+        " (payment_id text, cents int)"
+    )
+
+
+@app.after_shutdown
+async def close_store() -> None:
+    await store.close()
 
 
 # --8<-- [end:app]
 
 
 async def main() -> None:
-    """What `faststream run` does, for a few seconds: three copies of a payment, booked once."""
+    """What `faststream run` does, for a few seconds: three copies of a payment,
+    booked once."""
+    import asyncio
+    import json
+    import uuid
+
+    from aiokafka import AIOKafkaProducer
+
     payment_id = f"pay-{uuid.uuid4().hex[:8]}"
     producer = AIOKafkaProducer(bootstrap_servers=BOOTSTRAP, acks="all")
     await producer.start()
@@ -76,18 +99,18 @@ async def main() -> None:
         )
     await producer.stop()
     await app.start()
-    pool = stores[0].pool
-    query = "SELECT count(*) FROM faststream_ledger WHERE payment_id = $1"
+    q = "SELECT count(*) FROM faststream_ledger WHERE payment_id = $1"
     async with asyncio.timeout(30):
-        while await pool.fetchval(query, payment_id) < 1:  # noqa: ASYNC110 (a demo: it polls)
+        while not await store.pool.fetchval(q, payment_id):  # noqa: ASYNC110
             await asyncio.sleep(0.1)
     await asyncio.sleep(1)  # the two duplicates come right after: they replay
+    rows = await store.pool.fetchval(q, payment_id)
     await app.stop()
-    rows = await pool.fetchval(query, payment_id)
     print(f"booked {rows} time(s)")
     assert rows == 1
-    await pool.close()
 
 
 if __name__ == "__main__":
+    import asyncio
+
     asyncio.run(main())

@@ -1,30 +1,29 @@
-"""A FastStream Kafka batch subscriber made idempotent: one transaction per delivered batch."""
+"""A FastStream Kafka batch subscriber made idempotent: one transaction per
+delivered batch."""
 
-import asyncio
-import json
+# --8<-- [start:app]
 import os
-import uuid
 from typing import Any
 
-import asyncpg
-from aiokafka import AIOKafkaProducer
 from faststream import AckPolicy, FastStream
 from faststream.kafka import KafkaBroker, KafkaRouter
 
 from consumer_idem import PostgresStore, header
 from consumer_idem.faststream import CurrentIdempotencyBatch, Idempotency
 
-DSN = os.environ.get("CONSUMER_IDEM_PG_DSN", "postgresql://postgres:postgres@127.0.0.1/postgres")
+DSN = os.environ.get(
+    "CONSUMER_IDEM_PG_DSN", "postgresql://postgres:postgres@127.0.0.1/postgres"
+)
 BOOTSTRAP = os.environ.get("CONSUMER_IDEM_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
-TOPIC = os.environ.get("DOCS_TOPIC", "docs.faststream.batch")  # the tests pass a fresh one
+# the docs' tests pass a fresh topic
+TOPIC = os.environ.get("DOCS_TOPIC", "docs.faststream.batch")
 
-# --8<-- [start:app]
 broker = KafkaBroker(BOOTSTRAP, acks="all", enable_idempotence=True)
-stores: list[PostgresStore] = []  # opened on start-up, when there is an event loop
+store = PostgresStore.from_dsn(DSN)
 router = KafkaRouter(
     middlewares=[
         Idempotency(
-            lambda: stores[0],
+            store,
             broker=broker,
             scope="docs.faststream.batch",
             key=header("idempotency-key"),
@@ -41,8 +40,11 @@ router = KafkaRouter(
     auto_offset_reset="earliest",
     ack_policy=AckPolicy.MANUAL,
 )
-async def book(bodies: list[dict[str, Any]], current: CurrentIdempotencyBatch) -> list[str]:
-    # only the records to run: duplicates (in this batch or earlier) were answered already
+async def book(
+    bodies: list[dict[str, Any]], current: CurrentIdempotencyBatch
+) -> list[str]:
+    # only the records to run: duplicates (in this batch or earlier) were
+    # answered already
     await current.conn.executemany(
         "INSERT INTO faststream_batch_ledger VALUES ($1, $2)",
         [(body["id"], body["cents"]) for body in bodies],
@@ -51,46 +53,61 @@ async def book(bodies: list[dict[str, Any]], current: CurrentIdempotencyBatch) -
     return [f"booked {body['id']}" for body in bodies]
 
 
-# --8<-- [end:app]
 broker.include_router(router)
 app = FastStream(broker)
 
 
 @app.on_startup
 async def open_store() -> None:
-    pool = await asyncpg.create_pool(DSN)
-    store = PostgresStore(pool)
-    await store.migrate()
-    await pool.execute(
-        "CREATE TABLE IF NOT EXISTS faststream_batch_ledger (payment_id text, cents int)"
+    await store.migrate()  # opens the store's pool
+    await store.pool.execute(
+        "CREATE TABLE IF NOT EXISTS faststream_batch_ledger"
+        " (payment_id text, cents int)"
     )
-    stores.append(store)
+
+
+@app.after_shutdown
+async def close_store() -> None:
+    await store.close()
+
+
+# --8<-- [end:app]
 
 
 async def main() -> None:
     """Five payments, each sent twice: each is booked once."""
+    import asyncio
+    import json
+    import uuid
+
+    from aiokafka import AIOKafkaProducer
+
     run = uuid.uuid4().hex[:8]
     ids = [f"pay-{run}-{i}" for i in range(5)]
     producer = AIOKafkaProducer(bootstrap_servers=BOOTSTRAP, acks="all")
     await producer.start()
     for payment_id in ids + ids:
         body = json.dumps({"id": payment_id, "cents": 1250}).encode()
-        await producer.send(TOPIC, body, headers=[("idempotency-key", payment_id.encode())])
+        key = [("idempotency-key", payment_id.encode())]
+        await producer.send(TOPIC, body, headers=key)
     await producer.flush()
     await producer.stop()
     await app.start()
-    pool = stores[0].pool
-    query = "SELECT count(*) FROM faststream_batch_ledger WHERE payment_id = ANY($1)"
+    query = (
+        "SELECT count(*) FROM faststream_batch_ledger"
+        " WHERE payment_id = ANY($1)"
+    )
     async with asyncio.timeout(30):
-        while await pool.fetchval(query, ids) < 5:  # noqa: ASYNC110 (a demo: it polls)
+        while await store.pool.fetchval(query, ids) < 5:  # noqa: ASYNC110
             await asyncio.sleep(0.1)
     await asyncio.sleep(1)  # anything still arriving would be a double
+    rows = await store.pool.fetchval(query, ids)
     await app.stop()
-    rows = await pool.fetchval(query, ids)
     print(f"5 payments sent twice, booked {rows} times")
     assert rows == 5
-    await pool.close()
 
 
 if __name__ == "__main__":
+    import asyncio
+
     asyncio.run(main())

@@ -1,31 +1,46 @@
-"""Housekeeping from code: prune past retention, park expired leases, read the counts."""
+"""Housekeeping from code: prune past retention, park expired leases, read the
+counts."""
 
-import asyncio
+# --8<-- [start:prune]
 import os
-
-import asyncpg
 
 from consumer_idem import PostgresStore
 
-DSN = os.environ.get("CONSUMER_IDEM_PG_DSN", "postgresql://postgres:postgres@127.0.0.1/postgres")
+DSN = os.environ.get(
+    "CONSUMER_IDEM_PG_DSN", "postgresql://postgres:postgres@127.0.0.1/postgres"
+)
+store = PostgresStore.from_dsn(DSN)
+
+
+async def prune() -> None:
+    # paced (20,000 rows/s by default): live traffic beside it keeps its speed
+    report = await store.maintenance.prune(
+        max_batches=100, max_rows_per_s=20_000
+    )
+    if (
+        not report.finished
+    ):  # stopped at max_batches with rows left: run again soon
+        print("more to prune")
+    print(report)
+
+
+# --8<-- [end:prune]
 
 
 async def main() -> None:
-    pool = await asyncpg.create_pool(DSN)
-    store = PostgresStore(pool)
     await store.migrate()
-    # --8<-- [start:prune]
-    # paced (20,000 rows/s by default) so that live traffic beside it keeps its speed
-    report = await store.maintenance.prune(max_batches=100, max_rows_per_s=20_000)
-    if not report.finished:  # stopped at max_batches with rows left: run again soon
-        print("more to prune")
-    # --8<-- [end:prune]
+    await prune()
     swept = await store.maintenance.sweep()  # expired leases become unknown
     stats = await store.maintenance.stats()
-    print(report, swept, sep="\n")
+    print(swept)
     for scope in stats.scopes:  # what `consumer-idem stats` prints
-        print(scope.scope, scope.completed, "completed,", scope.unknown, "unknown")
-    await pool.close()
+        print(
+            scope.scope, scope.completed, "completed,", scope.unknown, "unknown"
+        )
+    await store.close()
 
 
-asyncio.run(main())
+if __name__ == "__main__":
+    import asyncio
+
+    asyncio.run(main())

@@ -1,12 +1,10 @@
 """ORM writes in the idempotency transaction of an HTTP request (FastAPI)."""
 
-import asyncio
+# --8<-- [start:app]
 import os
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import httpx
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import BigInteger, Identity, Integer, Text
@@ -18,7 +16,9 @@ from consumer_idem.http import IdempotencyMiddleware, idempotent
 from consumer_idem.sqlalchemy import engine_store
 from consumer_idem.sqlalchemy.fastapi import IdempotentSession
 
-DSN = os.environ.get("CONSUMER_IDEM_PG_DSN", "postgresql://postgres:postgres@127.0.0.1/postgres")
+DSN = os.environ.get(
+    "CONSUMER_IDEM_PG_DSN", "postgresql://postgres:postgres@127.0.0.1/postgres"
+)
 
 
 class Base(DeclarativeBase):
@@ -44,7 +44,6 @@ class OrderOut(BaseModel):
     qty: int
 
 
-# --8<-- [start:app]
 engine = create_async_engine(make_url(DSN).set(drivername="postgresql+asyncpg"))
 store = engine_store(engine)
 
@@ -59,7 +58,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 app = FastAPI(lifespan=lifespan)
-app.add_middleware(IdempotencyMiddleware, store=store, caller=lambda c: c.headers["x-tenant"])
+app.add_middleware(
+    IdempotencyMiddleware, store=store, caller=lambda c: c.headers["x-tenant"]
+)
 
 
 @app.post("/orders", status_code=201, response_model=OrderOut)
@@ -67,7 +68,9 @@ app.add_middleware(IdempotencyMiddleware, store=store, caller=lambda c: c.header
 async def create_order(order: OrderIn, session: IdempotentSession) -> Order:
     row = Order(sku=order.sku, qty=order.qty)
     session.add(row)
-    await session.commit()  # a flush: committed with the stored 201, after return
+    await (
+        session.commit()
+    )  # a flush: committed with the stored 201, after return
     return row
 
 
@@ -75,15 +78,30 @@ async def create_order(order: OrderIn, session: IdempotentSession) -> Order:
 
 
 async def main() -> None:
-    headers = {"Idempotency-Key": f"o-{uuid.uuid4().hex[:8]}", "x-tenant": "t-1"}
+    import uuid
+
+    import httpx
+
+    headers = {
+        "Idempotency-Key": f"o-{uuid.uuid4().hex[:8]}",
+        "x-tenant": "t-1",
+    }
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://shop") as client:
-            first = await client.post("/orders", json={"sku": "B", "qty": 3}, headers=headers)
-            retry = await client.post("/orders", json={"sku": "B", "qty": 3}, headers=headers)
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://shop"
+        ) as client:
+            first = await client.post(
+                "/orders", json={"sku": "B", "qty": 3}, headers=headers
+            )
+            retry = await client.post(
+                "/orders", json={"sku": "B", "qty": 3}, headers=headers
+            )
     print(first.status_code, first.json(), retry.headers["idempotent-replayed"])
     assert retry.content == first.content
 
 
 if __name__ == "__main__":
+    import asyncio
+
     asyncio.run(main())

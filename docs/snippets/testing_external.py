@@ -1,5 +1,7 @@
-"""The testing kit reaches your handler's own call: it takes effect, then times out."""
+"""The testing kit reaches your handler's own call: it takes effect, then
+times out."""
 
+# --8<-- [start:handler]
 import asyncio
 import json
 import os
@@ -17,26 +19,37 @@ from consumer_idem import (
     Retryable,
     idempotent_consumer,
 )
-from consumer_idem.testing import ExternalCall, NotIdempotent, assert_idempotent, fresh_store
+from consumer_idem.testing import (
+    ExternalCall,
+    NotIdempotent,
+    assert_idempotent,
+    fresh_store,
+)
 
-DSN = os.environ.get("CONSUMER_IDEM_PG_DSN", "postgresql://postgres:postgres@127.0.0.1/postgres")
+DSN = os.environ.get(
+    "CONSUMER_IDEM_PG_DSN", "postgresql://postgres:postgres@127.0.0.1/postgres"
+)
 
 
-# --8<-- [start:handler]
 class GatewayTimeout(Exception):
     """Your client's error when the gateway's answer did not come in time."""
 
 
 def charge_handler(store: PostgresStore, charge: Any) -> Any:
-    """A two-phase handler built on the call it makes: production passes the real client's
-    method, a test passes it wrapped in ExternalCall."""
+    """A two-phase handler built on the call it makes: production passes the
+    real client's method, a test passes it wrapped in ExternalCall."""
 
     @idempotent_consumer(store, scope="docs.charge", mode="two_phase")
-    async def charge_payment(message: ConsumerMessage, attempt: Attempt) -> dict[str, Any]:
+    async def charge_payment(
+        message: ConsumerMessage, attempt: Attempt
+    ) -> dict[str, Any]:
         payment = message.json()
         try:
-            result: dict[str, Any] = await charge(payment["id"], payment["amount"])
-        except GatewayTimeout as exc:  # the request left: the card may have been charged
+            result: dict[str, Any] = await charge(
+                payment["id"], payment["amount"]
+            )
+        # the request left: the card may have been charged
+        except GatewayTimeout as exc:
             raise Ambiguous(f"gateway timeout: {exc}") from exc
         return result
 
@@ -46,8 +59,10 @@ def charge_handler(store: PostgresStore, charge: Any) -> Any:
 # --8<-- [end:handler]
 
 
+# --8<-- [start:kit]
 class FakeGateway:
-    """Charges on every request, as a gateway that keeps no idempotency keys does."""
+    """Charges on every request, as a gateway that keeps no idempotency keys
+    does."""
 
     def __init__(self) -> None:
         self.charges: Counter[str] = Counter()
@@ -65,23 +80,30 @@ def new_payment() -> ConsumerMessage:
 
 async def main() -> None:
     async with fresh_store(DSN) as store:
-        # --8<-- [start:kit]
         gateway = FakeGateway()
-        call = ExternalCall(gateway.charge, failure=lambda: GatewayTimeout("read timeout"))
+        call = ExternalCall(
+            gateway.charge, failure=lambda: GatewayTimeout("read timeout")
+        )
         consumer = charge_handler(store, call)
 
-        async def charged(conn: asyncpg.Connection, message: ConsumerMessage) -> int:
+        async def charged(
+            conn: asyncpg.Connection, message: ConsumerMessage
+        ) -> int:
             return gateway.charges[message.json()["id"]]
 
-        report = await assert_idempotent(consumer, new_payment, charged, external=call)
+        report = await assert_idempotent(
+            consumer, new_payment, charged, external=call
+        )
         assert "the call took effect, then failed" in report.passed
-        # --8<-- [end:kit]
         print(f"{len(report.passed)} scenarios passed")
 
     async with fresh_store(DSN) as store:
-        # the same handler, turning the timeout into Retryable: it charges twice, and says so
+        # the same handler, turning the timeout into Retryable: it charges
+        # twice, and says so
         gateway = FakeGateway()
-        call = ExternalCall(gateway.charge, failure=lambda: GatewayTimeout("read timeout"))
+        call = ExternalCall(
+            gateway.charge, failure=lambda: GatewayTimeout("read timeout")
+        )
 
         @idempotent_consumer(store, scope="docs.charge", mode="two_phase")
         async def retrying(message: ConsumerMessage, attempt: Attempt) -> Any:
@@ -91,16 +113,23 @@ async def main() -> None:
             except GatewayTimeout as exc:
                 raise Retryable("gateway timeout") from exc
 
-        async def charged_twice(conn: asyncpg.Connection, message: ConsumerMessage) -> int:
+        async def charged_twice(
+            conn: asyncpg.Connection, message: ConsumerMessage
+        ) -> int:
             return gateway.charges[message.json()["id"]]
 
         try:
-            await assert_idempotent(retrying, new_payment, charged_twice, external=call)
+            await assert_idempotent(
+                retrying, new_payment, charged_twice, external=call
+            )
         except NotIdempotent as caught:
             assert caught.scenario == "the call took effect, then failed"
             print(caught)
         else:
             raise AssertionError("a handler that charges twice passed")
+
+
+# --8<-- [end:kit]
 
 
 asyncio.run(main())

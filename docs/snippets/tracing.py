@@ -1,4 +1,5 @@
-"""OpenTelemetry: set a tracer provider, and deliveries and requests are traced."""
+"""OpenTelemetry: set a tracer provider, and deliveries and requests are
+traced (pip install opentelemetry-sdk)."""
 
 import asyncio
 import os
@@ -10,18 +11,30 @@ import asyncpg
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+    InMemorySpanExporter,
+)
 
-from consumer_idem import ConsumerMessage, PostgresStore, idempotent_consumer, tracing
+from consumer_idem import (
+    ConsumerMessage,
+    PostgresStore,
+    idempotent_consumer,
+    tracing,
+)
 
-exporter = InMemorySpanExporter()  # in production: OTLPSpanExporter(), BatchSpanProcessor
+# in production: OTLPSpanExporter(), BatchSpanProcessor
+exporter = InMemorySpanExporter()
 provider = TracerProvider()
 provider.add_span_processor(SimpleSpanProcessor(exporter))
-trace.set_tracer_provider(provider)  # that is all: deliveries and requests are traced
-tracing.configure(key="truncate", key_length=12)  # optional: how keys appear in spans
+# that is all: deliveries and requests are traced
+trace.set_tracer_provider(provider)
+# optional: how keys appear in spans
+tracing.configure(key="truncate", key_length=12)
 # --8<-- [end:setup]
 
-DSN = os.environ.get("CONSUMER_IDEM_PG_DSN", "postgresql://postgres:postgres@127.0.0.1/postgres")
+DSN = os.environ.get(
+    "CONSUMER_IDEM_PG_DSN", "postgresql://postgres:postgres@127.0.0.1/postgres"
+)
 
 
 async def main() -> None:
@@ -30,14 +43,21 @@ async def main() -> None:
     await store.migrate()
 
     @idempotent_consumer(store, scope="docs.traced")
-    async def handle(message: ConsumerMessage, conn: asyncpg.Connection) -> None:
+    async def handle(
+        message: ConsumerMessage, conn: asyncpg.Connection
+    ) -> None:
         await conn.execute("SELECT 1")
 
     key = f"k-{uuid.uuid4().hex[:8]}".encode()
     await handle.process(ConsumerMessage(b"{}", {"idempotency-key": key}))
     names = [span.name for span in exporter.get_finished_spans()]
-    print(names)  # the claim, your handler, the commit, inside the delivery's span
-    assert {"consumer_idem.reserve", "consumer_idem.handler", "consumer_idem.commit"} <= set(names)
+    # the claim, your handler, the commit, inside the delivery's span
+    print(names)
+    assert {
+        "consumer_idem.reserve",
+        "consumer_idem.handler",
+        "consumer_idem.commit",
+    } <= set(names)
     await pool.close()
 
 

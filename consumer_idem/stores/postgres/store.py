@@ -38,6 +38,7 @@ from consumer_idem.stores.base import (
 from consumer_idem.stores.cache import CompletedCache
 from consumer_idem.stores.postgres import errors as pg_errors
 from consumer_idem.stores.postgres import migrate
+from consumer_idem.stores.postgres.dsn_pool import DsnPool
 from consumer_idem.stores.postgres.fast_path import FastPath
 from consumer_idem.stores.postgres.maintenance import Maintenance
 from consumer_idem.stores.postgres.outbox import Outbox
@@ -142,6 +143,58 @@ class PostgresStore(StoreBase):
         self.redispatch = RedispatchOutbox(self)
         self.outbox = Outbox(self)
         self.maintenance = Maintenance(self)
+
+    @classmethod
+    def from_dsn(
+        cls,
+        dsn: str,
+        *,
+        schema: str = "consumer_idem",
+        pooler: Pooler = None,
+        lease: timedelta | float = DEFAULT_LEASE,
+        retention: Retention = None,
+        metrics: Metrics | None = None,
+        hash_invalid_keys: bool = False,
+        command_timeout: float = 30.0,
+        cache: CompletedCache | None = None,
+        **pool_options: Any,
+    ) -> PostgresStore:
+        """A store made at import time: its asyncpg pool (``asyncpg.create_pool(dsn,
+        **pool_options)``, see :class:`DsnPool`) opens on first use, or when you await
+        ``store.open()`` (or enter ``async with store:``) in your app's start-up, and closes
+        with ``await store.close()``. Tasks that use it first at the same moment share one
+        pool; a use after ``close()`` opens a new one. ``store.pool`` also runs your own
+        queries (``await store.pool.execute(...)``)."""
+        return cls(
+            DsnPool(dsn, pooler=pooler, **pool_options),
+            schema=schema,
+            lease=lease,
+            retention=retention,
+            metrics=metrics,
+            hash_invalid_keys=hash_invalid_keys,
+            command_timeout=command_timeout,
+            cache=cache,
+            pooler=pooler,
+        )
+
+    async def open(self) -> PostgresStore:
+        """Open the pool of a store made with :meth:`from_dsn` now (a store given a pool has
+        nothing to open): an unreachable database fails the start-up, not the first message."""
+        if isinstance(self.pool, DsnPool):
+            await self.pool.open()
+        return self
+
+    async def close(self) -> None:
+        """Close the pool of a store made with :meth:`from_dsn`; a pool you passed in is
+        yours to close, and stays open."""
+        if isinstance(self.pool, DsnPool):
+            await self.pool.close()
+
+    async def __aenter__(self) -> PostgresStore:
+        return await self.open()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
 
     # --- plumbing ------------------------------------------------------------------------------
 
