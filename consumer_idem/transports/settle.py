@@ -443,11 +443,17 @@ def count_ack(stats: RunnerStats, verdict: Verdict) -> None:
         stats.executed += 1
 
 
-@tracing.traced_settle
 async def settle(transport: Transport[D], delivery: D, verdict: Verdict) -> Settled:
     """Carry out ``verdict`` for ``delivery``: keep the original of an ``unknown`` outcome,
     publish durably, then ack; never ack a retry, and never ack when a publish or the keeping
     did not complete."""
+    with tracing.settling(verdict) as span:
+        settled = await _settle(transport, delivery, verdict)
+        span.describe(settled)
+    return settled
+
+
+async def _settle(transport: Transport[D], delivery: D, verdict: Verdict) -> Settled:
     stats = transport.stats
     if is_unknown(verdict):
         instead = await keep_original(transport, delivery, verdict)
