@@ -82,6 +82,7 @@ from consumer_idem.errors import (
 from consumer_idem.outbox import UnitOutbox, close_units, committed, open_unit
 from consumer_idem.outbox_unit import lost_messages
 from consumer_idem.stores.postgres.errors import is_database_outage
+from consumer_idem.stores.postgres.fast_path import completed_record
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.stores.results import encode_result
 from consumer_idem.types import (
@@ -240,8 +241,8 @@ class TransactionalClaim:
         except Refused as refused:
             return await self._refused(refused)
         if store.cache is not None:  # committed: safe to cache
-            cached = record or store.fast_path.completed_record(
-                scope, key, self.fingerprint, encoded, self.retention
+            cached = record or completed_record(
+                store, scope, key, self.fingerprint, encoded, self.retention
             )
             if record is None and response is not None:
                 cached = replace(cached, response=response)

@@ -413,28 +413,25 @@ class IdempotentConsumer:
                 if verdicts[-1].action is Action.RETRY:
                     break
             return verdicts
-        fast_path = self.store.fast_path
+        store = self.store
         try:
-            # one connection for the run: a pooled acquire/release per message costs a round trip
-            async with self.store.connection() as conn:
+            # one connection for the run: a pooled acquire/release per message costs a round
+            # trip; the next message's BEGIN and claim ride with this one's COMMIT
+            async with store.connection() as conn, store.fast_path.run_on(conn) as run:
                 clean = hook is not None  # every delivery so far is settled by its commit
-                try:
-                    for i, message in enumerate(messages):
-                        rider = _rider(hook, message) if clean else None
-                        # the next message's BEGIN and claim ride with this one's COMMIT
-                        ahead = self._ahead(messages[i + 1]) if i + 1 < len(messages) else None
-                        if ahead is not None:
-                            fast_path.ask_ahead(conn, ahead)
-                        try:
-                            verdicts.append(await self.process(message, conn, rider))
-                        finally:
-                            fast_path.forget_ahead(conn)
-                        clean = clean and settled_by_commit(verdicts[-1])
-                        # a dead connection fails every later message too: hand the rest back
-                        if verdicts[-1].action is Action.RETRY or conn.is_closed():
-                            break
-                finally:
-                    await fast_path.end_ahead(conn)
+                for i, message in enumerate(messages):
+                    rider = _rider(hook, message) if clean else None
+                    ahead = self._ahead(messages[i + 1]) if i + 1 < len(messages) else None
+                    if ahead is not None:
+                        run.ask(ahead)
+                    try:
+                        verdicts.append(await self.process(message, conn, rider))
+                    finally:
+                        run.forget()
+                    clean = clean and settled_by_commit(verdicts[-1])
+                    # a dead connection fails every later message too: hand the rest back
+                    if verdicts[-1].action is Action.RETRY or conn.is_closed():
+                        break
         except StoreUnavailable as exc:
             verdicts.append(self.store_down(exc, None))
         return verdicts
