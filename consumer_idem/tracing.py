@@ -23,11 +23,12 @@ A request through :class:`~consumer_idem.http.IdempotencyMiddleware` gets one sp
 children: an INTERNAL child of the request's span when an instrumentation (ASGI, FastAPI) made
 one, else a SERVER span of its own continuing the caller's ``traceparent``.
 
-The hooks, each one line where the work happens: :func:`traced_delivery` (consumer
-``process`` / ``execute``), :func:`traced_batch` (a batch transaction), :func:`traced` (a step of
-the claim engine or the handler call), :func:`traced_settle` (the settle path),
-:func:`publishing` (a publish on it), :func:`request`, :func:`outcome` and :func:`http_status`
-(the HTTP middleware).
+The hooks are context managers around the work, each one ``with`` where it happens:
+:func:`delivery` (consumer ``process`` / ``execute``), :func:`batch` (a batch transaction),
+:func:`step` (a step of the claim engine or the handler call), :func:`settling` (the settle
+path), :func:`publishing` (a publish on it), :func:`request`, :func:`outcome` and
+:func:`http_status` (the HTTP middleware). Without a span to make, each gives one shared
+object that does nothing.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import hashlib
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
+from typing import Any, Literal, ParamSpec, TypeVar
 
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.metrics import bounded_scope
@@ -55,7 +56,6 @@ except ImportError:  # pragma: no cover - exercised in a subprocess without the 
 
 P = ParamSpec("P")
 T = TypeVar("T")
-S = TypeVar("S")
 
 #: how a key appears in span attributes (see :func:`configure`)
 KeyMode = Literal["hash", "truncate", "plain", "omit"]
@@ -303,82 +303,184 @@ def _describe_verdict(root: _Root, verdict: Any) -> None:
         span.set_status(_trace.Status(_trace.StatusCode.ERROR, verdict.reason or str(outcome)))
 
 
-def traced_delivery(
-    fn: Callable[Concatenate[S, ConsumerMessage, P], Awaitable[T]],
-) -> Callable[Concatenate[S, ConsumerMessage, P], Awaitable[T]]:
-    """Decorates ``IdempotentConsumer.process`` / ``execute``: one span per call, continuing
-    the producer's trace from the message headers, with the verdict's attributes; the verdict
-    carries the span's context (``trace_context``) so the settle path continues it."""
-    if _trace is None:
-        return fn
+class _Off:
+    """What a hook gives when it makes no span: enters, describes and carries nothing."""
 
-    @functools.wraps(fn)
-    async def wrapper(self: S, message: ConsumerMessage, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        root = _root.get()
-        if not active() or (root is not None and root.message is message):
-            return await fn(self, message, *args, **kwargs)  # off, or process() -> execute()
-        parent, kind, links = _parent(message.headers)
-        name, attributes = _messaging(message)
-        attributes[SCOPE] = getattr(self, "scope", None)
-        attributes[MODE] = getattr(self, "mode", None)
-        with _tracer().start_as_current_span(
-            name, context=parent, kind=kind, attributes=_clean(attributes), links=links
-        ) as span:
-            root = _Root(span, message)
-            token = _root.set(root)
-            try:
-                verdict: Any = await fn(self, message, *args, **kwargs)
-                _describe_verdict(root, verdict)
-            finally:
-                _root.reset(token)
-        result: T = dataclasses.replace(verdict, trace_context=span.get_span_context())
+    __slots__ = ()
+
+    def __enter__(self) -> _Off:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def done(self, verdict: T) -> T:
+        return verdict
+
+    def done_all(self, verdicts: list[T]) -> list[T]:
+        return verdicts
+
+    def describe(self, result: object) -> None:
+        return None
+
+
+_OFF = _Off()
+
+
+class _Span:
+    """A span made current for a ``with`` block; the delivery or batch span is also the task's
+    root (``_root``) for its steps, and a step is marked (``_step``) so it never nests in
+    itself."""
+
+    __slots__ = ("_describes", "_make", "_root", "_root_token", "_step", "_step_token", "span")
+
+    def __init__(
+        self,
+        make: Any,
+        root: _Root | None = None,
+        step: str | None = None,
+        describes: bool = False,
+    ) -> None:
+        self._make = make
+        self._root = root
+        self._step = step
+        self._describes = describes
+        self.span: Any = None
+
+    def __enter__(self) -> _Span:
+        if self._step is not None:
+            self._step_token = _step.set(self._step)
+        try:
+            self.span = self._make.__enter__()
+        except BaseException:
+            if self._step is not None:
+                _step.reset(self._step_token)
+            raise
+        if self._root is not None:
+            self._root.span = self.span
+            self._root_token = _root.set(self._root)
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        if self._root is not None:
+            _root.reset(self._root_token)
+        try:
+            return self._make.__exit__(*exc)
+        finally:
+            if self._step is not None:
+                _step.reset(self._step_token)
+
+    def done(self, verdict: T) -> T:
+        """The delivery's verdict, described on its span and carrying the span's context (the
+        settle path continues it)."""
+        assert self._root is not None
+        _describe_verdict(self._root, verdict)
+        result: T = dataclasses.replace(verdict, trace_context=self.span.get_span_context())  # type: ignore[type-var]
         return result
 
-    return wrapper
+    def done_all(self, verdicts: list[T]) -> list[T]:
+        """A batch's verdicts, each carrying the batch span's context."""
+        context = self.span.get_span_context()
+        return [dataclasses.replace(v, trace_context=context) for v in verdicts]  # type: ignore[type-var]
+
+    def describe(self, result: object) -> None:
+        """A step's result on its span (a decision or an outcome; a handler's is the user's)."""
+        if self._describes:
+            _describe_result(self.span, result)
 
 
-def traced_batch(
-    fn: Callable[Concatenate[S, Sequence[ConsumerMessage], P], Awaitable[list[T]]],
-) -> Callable[Concatenate[S, Sequence[ConsumerMessage], P], Awaitable[list[T]]]:
-    """Decorates a batch transaction: one span for the batch, linked to each message's
-    producer context (messaging conventions: a batch continues many traces by links); every
-    verdict carries the batch span's context."""
+def delivery(consumer: Any, message: ConsumerMessage) -> _Span | _Off:
+    """``with tracing.delivery(consumer, message) as span: ... return span.done(verdict)``:
+    one span per delivery, continuing the producer's trace from the message headers, with the
+    verdict's attributes. Inside the span of the same message (``process`` calling
+    ``execute``), no second one."""
     if _trace is None:
-        return fn
+        return _OFF
+    root = _root.get()
+    if not active() or (root is not None and root.message is message):
+        return _OFF
+    parent, kind, links = _parent(message.headers)
+    name, attributes = _messaging(message)
+    attributes[SCOPE] = getattr(consumer, "scope", None)
+    attributes[MODE] = getattr(consumer, "mode", None)
+    make = _tracer().start_as_current_span(
+        name, context=parent, kind=kind, attributes=_clean(attributes), links=links
+    )
+    return _Span(make, _Root(None, message))
 
-    @functools.wraps(fn)
-    async def wrapper(
-        self: S, messages: Sequence[ConsumerMessage], /, *args: P.args, **kwargs: P.kwargs
-    ) -> list[T]:
-        root = _root.get()
-        if not active() or not messages or (root is not None and root.batch):
-            return await fn(self, messages, *args, **kwargs)  # off, or the head of a batch
-        assert _trace is not None
-        links = []
-        for message in messages:
-            producer = _trace.get_current_span(_extract(message.headers)).get_span_context()
-            if producer.is_valid:
-                links.append(_trace.Link(producer))
-        name, attributes = _messaging(messages[0])
-        attributes.pop("messaging.kafka.offset", None)
-        attributes["messaging.batch.message_count"] = len(messages)
-        attributes[SCOPE] = getattr(self, "scope", None)
-        with _tracer().start_as_current_span(
-            name,
-            context=_Context(),
-            kind=_trace.SpanKind.CONSUMER,
-            attributes=_clean(attributes),
-            links=links,
-        ) as span:
-            token = _root.set(_Root(span, batch=True))
-            try:
-                verdicts: list[Any] = await fn(self, messages, *args, **kwargs)
-            finally:
-                _root.reset(token)
-        context = span.get_span_context()
-        return [dataclasses.replace(v, trace_context=context) for v in verdicts]
 
-    return wrapper
+def batch(scope: str, messages: Sequence[ConsumerMessage]) -> _Span | _Off:
+    """``with tracing.batch(scope, messages) as span: ... return span.done_all(verdicts)``:
+    one span for a batch transaction, linked to each message's producer context (messaging
+    conventions: a batch continues many traces by links). Inside a batch span (the head of a
+    batch run again), no second one."""
+    if _trace is None:
+        return _OFF
+    root = _root.get()
+    if not active() or not messages or (root is not None and root.batch):
+        return _OFF
+    links = []
+    for message in messages:
+        producer = _trace.get_current_span(_extract(message.headers)).get_span_context()
+        if producer.is_valid:
+            links.append(_trace.Link(producer))
+    name, attributes = _messaging(messages[0])
+    attributes.pop("messaging.kafka.offset", None)
+    attributes["messaging.batch.message_count"] = len(messages)
+    attributes[SCOPE] = scope
+    make = _tracer().start_as_current_span(
+        name,
+        context=_Context(),
+        kind=_trace.SpanKind.CONSUMER,
+        attributes=_clean(attributes),
+        links=links,
+    )
+    return _Span(make, _Root(None, batch=True))
+
+
+def step(name: str) -> _Span | _Off:
+    """``with tracing.step("commit") as span: ... span.describe(result)``: one step
+    (``reserve``, ``handler``, ``commit``) as a child span ``consumer_idem.<name>`` of the
+    current span, only when there is one (a step never starts a trace of its own). A step
+    inside the same step (a completion that records a failure) is not a second span."""
+    if _trace is None or not active() or _step.get() == name or not _current_context().is_valid:
+        return _OFF
+    make = _tracer().start_as_current_span(f"consumer_idem.{name}")
+    # a handler's result is the user's: nothing of ours to describe
+    return _Span(make, step=name, describes=name != "handler")
+
+
+def settling(verdict: Any) -> _Span | _Off:
+    """``with tracing.settling(verdict) as span: ... span.describe(settled)``: a
+    ``consumer_idem.settle`` span around carrying out a verdict, a child of the delivery span
+    the verdict came from (or of the current span; none when there is neither), with what was
+    done (``acked``, ``retry``, ``unsettled``)."""
+    if _trace is None or not active():
+        return _OFF
+    parent = getattr(verdict, "trace_context", None)
+    if parent is not None:
+        context = _trace.set_span_in_context(_trace.NonRecordingSpan(parent), _Context())
+    elif _current_context().is_valid:
+        context = None
+    else:
+        return _OFF
+    attributes = {
+        "messaging.operation.type": "settle",
+        SCOPE: getattr(verdict, "scope", None),
+        ACTION: str(verdict.action),
+        REASON: getattr(verdict, "reason", None),
+    }
+    make = _tracer().start_as_current_span(
+        "consumer_idem.settle", context=context, attributes=_clean(attributes)
+    )
+    return _Settling(make)
+
+
+class _Settling(_Span):
+    __slots__ = ()
+
+    def describe(self, result: object) -> None:
+        _set(self.span, SETTLED, str(result))
 
 
 def _clean(attributes: Mapping[str, Any]) -> dict[str, Any]:
@@ -404,74 +506,23 @@ def _describe_result(span: Any, result: Any) -> None:
             root.decided = True
 
 
-def traced(step: str) -> Callable[[Callable[P, Awaitable[T]]], Callable[P, Awaitable[T]]]:
-    """Decorates one step (``reserve``, ``handler``, ``commit``): a child span
-    ``consumer_idem.<step>`` of the current span, only when there is one (a step never starts
-    a trace of its own). A step inside the same step (a completion that records a failure) is
-    not a second span."""
+def traced(name: str) -> Callable[[Callable[P, Awaitable[T]]], Callable[P, Awaitable[T]]]:
+    """:func:`step` as a decorator, for a step that is a whole coroutine function."""
 
     def decorate(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
         if _trace is None:
             return fn
-        name = f"consumer_idem.{step}"
-        describe = step != "handler"  # a handler's result is the user's: nothing of ours
 
         @functools.wraps(fn)
         async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-            if not active() or _step.get() == step or not _current_context().is_valid:
-                return await fn(*args, **kwargs)
-            token = _step.set(step)
-            try:
-                with _tracer().start_as_current_span(name) as span:
-                    result = await fn(*args, **kwargs)
-                    if describe:
-                        _describe_result(span, result)
-                    return result
-            finally:
-                _step.reset(token)
+            with step(name) as span:
+                result = await fn(*args, **kwargs)
+                span.describe(result)
+                return result
 
         return wrapper
 
     return decorate
-
-
-def traced_settle(
-    fn: Callable[Concatenate[Any, Any, Any, P], Awaitable[T]],
-) -> Callable[Concatenate[Any, Any, Any, P], Awaitable[T]]:
-    """Decorates ``settle(transport, delivery, verdict)``: a ``consumer_idem.settle`` span,
-    a child of the delivery span the verdict came from (or of the current span; none when
-    there is neither), with what was done (``acked``, ``retry``, ``unsettled``)."""
-    if _trace is None:
-        return fn
-
-    @functools.wraps(fn)
-    async def wrapper(
-        transport: Any, delivery: Any, verdict: Any, /, *args: P.args, **kwargs: P.kwargs
-    ) -> T:
-        if not active():
-            return await fn(transport, delivery, verdict, *args, **kwargs)
-        assert _trace is not None
-        parent = getattr(verdict, "trace_context", None)
-        if parent is not None:
-            context = _trace.set_span_in_context(_trace.NonRecordingSpan(parent), _Context())
-        elif _current_context().is_valid:
-            context = None
-        else:
-            return await fn(transport, delivery, verdict, *args, **kwargs)
-        attributes = {
-            "messaging.operation.type": "settle",
-            SCOPE: getattr(verdict, "scope", None),
-            ACTION: str(verdict.action),
-            REASON: getattr(verdict, "reason", None),
-        }
-        with _tracer().start_as_current_span(
-            "consumer_idem.settle", context=context, attributes=_clean(attributes)
-        ) as span:
-            settled = await fn(transport, delivery, verdict, *args, **kwargs)
-            _set(span, SETTLED, str(settled))
-        return settled
-
-    return wrapper
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from aiokafka import AIOKafkaConsumer
 from faststream import AckPolicy
 from faststream.kafka import KafkaBroker, KafkaRouter
 
-import consumer_idem.consumer as consumer_module
+import consumer_idem.batch as batch_module
 from consumer_idem import PostgresStore, header
 from consumer_idem.cli.settings import load_settings
 from consumer_idem.faststream import CurrentIdempotencyBatch, Idempotency, IdempotentConnection
@@ -45,13 +45,13 @@ class Killer:
 
 def install(killer: Killer) -> None:
     """Fault points around the real components: each wraps the call it names."""
-    original = consumer_module.execute_and_commit
+    original = batch_module.execute_and_commit
 
     async def execute_and_commit(conn: Any, sql: str) -> None:
         await original(conn, sql)
         killer.reached("committed")
 
-    consumer_module.execute_and_commit = execute_and_commit  # batch mode's COMMIT
+    batch_module.execute_and_commit = execute_and_commit  # batch mode's COMMIT
     commit = AIOKafkaConsumer.commit
 
     async def kafka_commit(self: AIOKafkaConsumer, offsets: Any = None) -> None:

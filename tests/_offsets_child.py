@@ -48,7 +48,7 @@ class Killer:
 
 def install(killer: Killer, runner: KafkaRunner) -> None:
     """Fault points around the real components (no stand-ins): each wraps the call it names."""
-    import consumer_idem.consumer as consumer_module
+    import consumer_idem.batch as batch_module
     import consumer_idem.stores.postgres.fast_path as fast_path_module
 
     def around_commit(module: Any) -> None:
@@ -61,7 +61,7 @@ def install(killer: Killer, runner: KafkaRunner) -> None:
 
         module.execute_and_commit = execute_and_commit
 
-    around_commit(consumer_module)  # batch mode's COMMIT
+    around_commit(batch_module)  # batch mode's COMMIT
     around_commit(fast_path_module)  # one message per transaction: result + COMMIT
 
     kafka = runner._kafka

@@ -31,6 +31,7 @@ from tests._failover import (
     PairScriptFailed,
     pair_script,
 )
+from tests._runners import Running
 
 #: the HTTP tests' shared fixtures
 pytest_plugins = ["tests._http"]
@@ -311,6 +312,14 @@ async def effects(pg_pool: asyncpg.Pool) -> None:
         "CREATE TABLE IF NOT EXISTS fs_effects (scope text, key text, n int, at timestamptz"
         " DEFAULT now())"
     )
+
+
+@pytest.fixture
+async def running() -> AsyncIterator[Running]:
+    """Runners a test starts in the background (``running.start(runner)``), stopped at its end."""
+    r = Running()
+    yield r
+    await r.stop_all()
 
 
 @pytest.fixture

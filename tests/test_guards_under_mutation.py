@@ -9,7 +9,7 @@ change the guard and the test named after its behaviour fails.
 * ``keep_original`` holds the record's row while it keeps an original, so a concurrent "not
   executed" resolution cannot leave that original unarmed (``redispatch.py``);
 * batch mode with offsets in Postgres stores no offset past a key repeated with another
-  payload, which is still to be dead-lettered (``consumer._settled_prefix``).
+  payload, which is still to be dead-lettered (``BatchUnit._settled_by_commit``).
 """
 
 from __future__ import annotations

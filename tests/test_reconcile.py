@@ -6,7 +6,6 @@ import asyncio
 import json
 import multiprocessing
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -31,34 +30,10 @@ from consumer_idem.testing.broker import MemoryTransport
 from consumer_idem.transports.kafka import KafkaRunner
 from consumer_idem.types import Record
 from tests._payments import read_topic, send_raw, wait_until
+from tests._runners import Running
 from tests._workers import park_and_die
 
 FAST = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 500}
-
-
-class Running:
-    """Runners started in the background for one test, stopped at its end."""
-
-    def __init__(self) -> None:
-        self.tasks: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
-
-    def start(self, runner: Any) -> Any:
-        stop = asyncio.Event()
-        self.tasks.append((stop, asyncio.create_task(runner.run(stop))))
-        return runner
-
-    async def stop_all(self) -> None:
-        for stop, _ in self.tasks:
-            stop.set()
-        for _, task in self.tasks:
-            await asyncio.wait_for(task, 60)
-
-
-@pytest.fixture
-async def running() -> AsyncIterator[Running]:
-    r = Running()
-    yield r
-    await r.stop_all()
 
 
 @pytest.fixture

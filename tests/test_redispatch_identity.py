@@ -45,29 +45,13 @@ from consumer_idem.transports.kafka import to_message as kafka_message
 from consumer_idem.transports.rabbit import RabbitRunner
 from consumer_idem.types import Outcome, OutcomeKind, Record
 from tests._payments import wait_until
+from tests._runners import Running
 from tests.conftest import unique
 from tests.test_consumer_kafka import FAST
 
 
 async def no_charge(record: Record) -> Any:
     return NotExecuted("gateway: no charge for that key")
-
-
-class Running:
-    def __init__(self) -> None:
-        self.tasks: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
-
-    def start(self, runner: Any) -> Any:
-        stop = asyncio.Event()
-        self.tasks.append((stop, asyncio.create_task(runner.run(stop))))
-        return runner
-
-    async def stop_all(self) -> None:
-        for stop, _ in self.tasks:
-            stop.set()
-        for _, task in self.tasks:
-            await asyncio.wait_for(task, 60)
-        self.tasks.clear()
 
 
 async def records_in(pool: asyncpg.Pool, store: PostgresStore, scope: str) -> list[str]:

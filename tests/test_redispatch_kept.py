@@ -41,6 +41,7 @@ from consumer_idem.transports.kafka import KafkaRunner
 from consumer_idem.transports.settle import Settled, settle
 from consumer_idem.types import Record
 from tests._payments import read_topic, send_raw, wait_until
+from tests._runners import Running
 from tests.test_consumer_kafka import FAST, committed
 
 
@@ -266,23 +267,6 @@ def test_a_dead_letter_copy_is_kept_for_the_topic_or_queue_it_came_from() -> Non
 
 
 # --- on the real broker -------------------------------------------------------------------------
-
-
-class Running:
-    def __init__(self) -> None:
-        self.tasks: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
-
-    def start(self, runner: Any) -> Any:
-        stop = asyncio.Event()
-        self.tasks.append((stop, asyncio.create_task(runner.run(stop))))
-        return runner
-
-    async def stop_all(self) -> None:
-        for stop, _ in self.tasks:
-            stop.set()
-        for _, task in self.tasks:
-            await asyncio.wait_for(task, 60)
-        self.tasks.clear()
 
 
 async def test_kafka_a_handler_cancelled_by_a_stop_runs_once_after_not_executed(

@@ -30,6 +30,7 @@ from consumer_idem.transports.kafka import KafkaRunner
 from consumer_idem.transports.kafka_offsets import PostgresOffsets
 from handlers.payments import record_payment
 from tests._payments import ledger_count, payment, read_topic, send_raw, wait_until
+from tests._runners import Started
 from tests.conftest import unique
 from tests.test_consumer_kafka import FAST, committed
 
@@ -43,17 +44,6 @@ def ledger(store: PostgresStore, scope: str) -> IdempotentConsumer:
     return idempotent_consumer(
         store, scope=scope, key=header("idempotency-key"), backoff=(0.1, 0.5)
     )(record_payment)
-
-
-class Running:
-    def __init__(self, runner: KafkaRunner) -> None:
-        self.runner = runner
-        self.stop = asyncio.Event()
-        self.task = asyncio.create_task(runner.run(self.stop))
-
-    async def finish(self) -> None:
-        self.stop.set()
-        await asyncio.wait_for(self.task, 60)
 
 
 class RefusedDeadLetters:
@@ -108,7 +98,7 @@ async def test_a_record_held_for_retry_holds_back_every_commit_after_it(
     items = [({"idempotency-key": b"held"}, held)]
     items += [({"idempotency-key": f"after-{i}".encode()}, payment(run_id, i)) for i in (1, 2)]
     await send_raw(kafka_producer, topic, items)
-    running = Running(
+    running = Started(
         KafkaRunner(ledger(store, scope), topics=[topic], group_id=run_id, consumer_options=FAST)
     )
     try:
@@ -164,7 +154,7 @@ async def test_a_record_held_mid_chunk_holds_back_the_commit_of_the_records_afte
         offsets_in_postgres=offsets_in_postgres,
         outbox_relay=None,
     )
-    running = Running(runner)
+    running = Started(runner)
     try:
 
         async def before_committed() -> bool:
@@ -212,7 +202,7 @@ async def test_a_dead_letter_the_broker_does_not_acknowledge_yet_holds_the_commi
         ledger(store, scope), topics=[topic], group_id=run_id, consumer_options=FAST
     )
     refused = RefusedDeadLetters(runner, dlq)
-    running = Running(runner)
+    running = Started(runner)
     try:
         await asyncio.sleep(4)  # several refused attempts
         assert runner.stats.dead_lettered == 0
@@ -247,7 +237,7 @@ async def test_a_dead_letter_copy_too_large_for_its_topic_goes_without_its_body(
     await send_raw(
         kafka_producer, topic, [({}, big), ({"idempotency-key": b"ok-1"}, payment(run_id, 1))]
     )
-    running = Running(
+    running = Started(
         KafkaRunner(ledger(store, scope), topics=[topic], group_id=run_id, consumer_options=FAST)
     )
     try:
@@ -308,7 +298,7 @@ async def test_a_worker_that_dies_is_logged_and_its_partition_resumes_from_what_
     await send_raw(kafka_producer, topic, items)
     processor = FailsOnce(ledger(store, scope))
     caplog.set_level(logging.ERROR, logger="consumer_idem.transports.kafka")
-    running = Running(
+    running = Started(
         KafkaRunner(processor, topics=[topic], group_id=run_id, consumer_options=FAST)
     )
     try:

@@ -26,6 +26,7 @@ from consumer_idem.transports.rabbit import RabbitRunner
 from handlers.payments import record_payment
 from tests._broker import Outage
 from tests._payments import ledger_count, payment, wait_until
+from tests._runners import Started
 from tests.conftest import QUORUM, delete_queues, unique
 
 
@@ -75,17 +76,6 @@ async def back_in_queue(channel: aio_pika.abc.AbstractChannel, queue: str, n: in
     await wait_until(ready, 10, f"{n} message(s) back in {queue}")
 
 
-class Running:
-    def __init__(self, runner: RabbitRunner) -> None:
-        self.runner = runner
-        self.stop = asyncio.Event()
-        self.task = asyncio.create_task(runner.run(self.stop))
-
-    async def finish(self) -> None:
-        self.stop.set()
-        await asyncio.wait_for(self.task, 60)
-
-
 async def test_a_store_outage_longer_than_the_delivery_budget_dead_letters_nothing(
     pg_dsn: str,
     store: PostgresStore,
@@ -98,7 +88,7 @@ async def test_a_store_outage_longer_than_the_delivery_budget_dead_letters_nothi
 ) -> None:
     outage = await Outage.start(store, pg_dsn)
     await publish(channel, queue, "pay-1", payment(run_id, 1))
-    running = Running(RabbitRunner(ledger(outage.down, scope), queue=queue, max_deliveries=2))
+    running = Started(RabbitRunner(ledger(outage.down, scope), queue=queue, max_deliveries=2))
     try:
         await asyncio.sleep(3)  # far more than 2 "retry later"s at a 0.05-0.2 s backoff
         assert running.runner.stats.retries >= 4
@@ -130,13 +120,13 @@ async def test_messages_stay_queued_through_a_store_outage_and_run_once_it_retur
     outage = await Outage.start(store, pg_dsn)
     for i in range(3):
         await publish(channel, queue, f"pay-{i}", payment(run_id, i))
-    first = Running(RabbitRunner(ledger(outage.down, scope), queue=queue))
+    first = Started(RabbitRunner(ledger(outage.down, scope), queue=queue))
     await asyncio.sleep(2)
     await first.finish()  # the runner stops during the outage
     assert first.runner.stats.processed == 0
     await back_in_queue(channel, queue, 3)  # nothing acked, nothing lost
     outage.end()
-    second = Running(RabbitRunner(ledger(outage.down, scope), queue=queue))
+    second = Started(RabbitRunner(ledger(outage.down, scope), queue=queue))
     try:
 
         async def ran() -> bool:
@@ -168,7 +158,7 @@ async def test_a_retryable_failure_is_delivered_again_and_runs_once(
             raise ConnectionError("the downstream table is locked; try again")
 
     await publish(channel, queue, "pay-1", payment(run_id, 1))
-    running = Running(RabbitRunner(flaky, queue=queue))
+    running = Started(RabbitRunner(flaky, queue=queue))
     try:
 
         async def ran() -> bool:
@@ -194,7 +184,7 @@ async def test_a_dead_letter_queue_that_refuses_publishes_leaves_the_delivery_un
         dlq, durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"}
     )
     await publish(channel, queue, None, payment(run_id, 1))  # no key: to be dead-lettered
-    running = Running(RabbitRunner(ledger(store, scope), queue=queue, declare=False))
+    running = Started(RabbitRunner(ledger(store, scope), queue=queue, declare=False))
     await asyncio.sleep(3)
     await running.finish()
     assert running.runner.stats.dead_lettered == 0 and running.runner.stats.processed == 0
@@ -236,7 +226,7 @@ async def test_a_processor_that_raises_is_logged_and_its_delivery_handed_back(
     caplog.set_level(logging.ERROR, logger="consumer_idem.transports.rabbit")
     await publish(channel, queue, "pay-1", payment(run_id, 1))
     processor = FailsOnce(ledger(store, scope))
-    running = Running(RabbitRunner(processor, queue=queue, prefetch=1))
+    running = Started(RabbitRunner(processor, queue=queue, prefetch=1))
     try:
 
         async def ran() -> bool:
@@ -265,7 +255,7 @@ async def test_a_long_wait_is_handed_back_as_a_copy_that_spends_no_delivery(
     to the tail of its queue as a confirmed copy, the original acked: no x-delivery-count."""
     outage = await Outage.start(store, pg_dsn)
     await publish(channel, queue, "pay-1", payment(run_id, 1))
-    running = Running(
+    running = Started(
         RabbitRunner(ledger(outage.down, scope), queue=queue, max_deliveries=2, max_hold=0.3)
     )
     try:
@@ -294,7 +284,7 @@ async def test_a_dead_letter_no_queue_takes_leaves_the_delivery_unacked(
     """Unroutable (no dead-letter queue was declared): the broker returns the copy. Counting
     that as published would ack a message that is nowhere."""
     await publish(channel, queue, None, payment(run_id, 1))
-    running = Running(RabbitRunner(ledger(store, scope), queue=queue, declare=False))
+    running = Started(RabbitRunner(ledger(store, scope), queue=queue, declare=False))
     await asyncio.sleep(2)
     await running.finish()
     assert running.runner.stats.dead_lettered == 0 and running.runner.stats.processed == 0

@@ -71,34 +71,42 @@ class DeliveryBudget:
         run = execute if execute is not None else self.consumer.execute
 
         async def attempt() -> Verdict:
-            consumer = self.consumer
             message = view()
-            prepared = consumer.prepare(message)
+            prepared = self.consumer.prepare(message)
             if isinstance(prepared, Verdict):
                 return prepared  # no key: dead-lettered with its reason, as when fresh
             key, fingerprint = prepared
             async with process_gate().alone():  # a crash is then the running one's
-                try:
-                    if not counted:  # once per delivery, however often it is tried again
-                        n = await self.attempts.count(consumer.scope, key, self.limit)
-                        if n is None and not await self._settled_elsewhere(key):
-                            return Verdict(
-                                Action.DEAD_LETTER, consumer.scope, key, reason="max_deliveries"
-                            )
-                        counted.append(n or 0)
-                except StoreUnavailable:
-                    self._outages += 1
-                    return Verdict(
-                        Action.RETRY,
-                        consumer.scope,
-                        key,
-                        reason="store_unavailable",
-                        retry_after=self._outage.delay(self._outages),
-                    )
-                self._outages = 0
+                refused = await self.admit(key, counted)
+                if refused is not None:
+                    return refused
                 return await run(message, key, fingerprint)
 
         return attempt
+
+    async def admit(self, key: str, counted: list[int]) -> Verdict | None:
+        """A redelivered delivery of ``key``, inside ``process_gate().alone()``: counted once
+        (``counted``: kept by the caller across its tries, however often it is tried again
+        while held in hand). None: run it; else its verdict (the budget is spent, or the store
+        does not answer)."""
+        consumer = self.consumer
+        try:
+            if not counted:  # once per delivery, however often it is tried again
+                n = await self.attempts.count(consumer.scope, key, self.limit)
+                if n is None and not await self._settled_elsewhere(key):
+                    return Verdict(Action.DEAD_LETTER, consumer.scope, key, reason="max_deliveries")
+                counted.append(n or 0)
+        except StoreUnavailable:
+            self._outages += 1
+            return Verdict(
+                Action.RETRY,
+                consumer.scope,
+                key,
+                reason="store_unavailable",
+                retry_after=self._outage.delay(self._outages),
+            )
+        self._outages = 0
+        return None
 
     def fresh(self, process: Callable[[], Awaitable[V]]) -> Callable[[], Awaitable[V]]:
         """A first delivery's (or batch's) processing, ``process``, held back while a suspect

@@ -36,22 +36,17 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
-from aiokafka.errors import KafkaError
 
-from consumer_idem.backoff import Backoff
 from consumer_idem.consumer import (
     DEAD_LETTER_ERROR,
     DEAD_LETTER_KEY,
     DEAD_LETTER_REASON,
     DEAD_LETTER_SCOPE,
-    Action,
     IdempotentConsumer,
     Processor,
     Verdict,
@@ -65,17 +60,16 @@ from consumer_idem.outbox import OutboxService
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.transports import settle, start_failures
 from consumer_idem.transports.kafka_offset_check import start_positions
-from consumer_idem.transports.kafka_offsets import OffsetHook, PostgresOffsets, record_mark
+from consumer_idem.transports.kafka_offsets import OffsetHook, PostgresOffsets
 from consumer_idem.transports.kafka_outbox import PERMANENT_ERRORS as PERMANENT_ERRORS
 from consumer_idem.transports.kafka_outbox import KafkaOutboxSender as KafkaOutboxSender
-from consumer_idem.transports.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats, Settled
+from consumer_idem.transports.kafka_partition import RESTART_BACKOFF as RESTART_BACKOFF
+from consumer_idem.transports.kafka_partition import Delivery, Partition
+from consumer_idem.transports.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats
 
 log = logging.getLogger("consumer_idem.transports.kafka")
 
 DEFAULT_RECONCILE_TOPIC = "consumer_idem.reconcile"
-
-#: how long a partition whose worker failed waits before it is restarted
-RESTART_BACKOFF = Backoff(1.0, 60.0)
 
 
 def to_message(record: ConsumerRecord[bytes, bytes]) -> ConsumerMessage:
@@ -132,36 +126,6 @@ def redispatch_headers(notice: Notice) -> list[tuple[str, bytes]]:
     return list(notice.headers.items())
 
 
-@dataclass
-class _Partition:
-    tp: TopicPartition
-    pending: deque[ConsumerRecord[bytes, bytes]] = field(default_factory=deque)
-    task: asyncio.Task[None] | None = None
-    revoked: bool = False
-    paused: bool = False
-    done: int | None = None  #: next offset to commit: last settled offset + 1
-    #: the record before ``done`` (its mark is stored with the offset in Postgres)
-    done_record: ConsumerRecord[bytes, bytes] | None = None
-    committed: int | None = None
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    failures: int = 0  #: consecutive worker failures (restart backoff)
-    #: fetched records not yet looked at by the preparer, and the messages it prepared ahead
-    #: (by offset), for records after ``taken`` (the last offset handed to the consumer)
-    unprepared: deque[ConsumerRecord[bytes, bytes]] = field(default_factory=deque)
-    ahead: dict[int, ConsumerMessage] = field(default_factory=dict)
-    taken: int = -1
-    preparer: asyncio.Task[None] | None = None
-    #: one offset commit at a time per partition (in order); the worker's run in the background
-    commit_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    committer: asyncio.Task[None] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class _Delivery:
-    part: _Partition
-    record: ConsumerRecord[bytes, bytes]
-
-
 class KafkaRunner:
     """Consume ``topics`` in consumer group ``group_id`` through ``consumer``.
 
@@ -214,23 +178,23 @@ class KafkaRunner:
         self.chunk = chunk or (max_records if consumer.batch else 50)
         self.revoke_timeout = revoke_timeout
         self.stats = RunnerStats()
-        self._slots = asyncio.Semaphore(max_partitions_in_flight)
+        self.slots = asyncio.Semaphore(max_partitions_in_flight)
         # an IdempotentConsumer's keys and fingerprints can be computed ahead (not the
         # reconciler's: it has no such step)
-        self._prepare: Callable[[ConsumerMessage], Any] | None = (
+        self.prepare: Callable[[ConsumerMessage], Any] | None = (
             consumer.prepare if isinstance(consumer, IdempotentConsumer) else None
         )
         # offsets in Postgres: written with the effects (the hook) and read on assignment
         self.offsets: PostgresOffsets | None = None
-        self._stored: dict[tuple[str, int], int] = {}  #: next offsets Postgres holds
-        self._hook: OffsetHook | None = None
+        self.stored: dict[tuple[str, int], int] = {}  #: next offsets Postgres holds
+        self.hook: OffsetHook | None = None
         if offsets_in_postgres:
             if not isinstance(consumer, IdempotentConsumer):
                 raise TypeError("offsets_in_postgres needs an @idempotent_consumer")
             self.offsets = PostgresOffsets(consumer.store, group_id)
-            self._hook = OffsetHook(self.offsets, self._stored)
+            self.hook = OffsetHook(self.offsets, self.stored)
         self._probe_options = {"bootstrap_servers": self.bootstrap, **(consumer_options or {})}
-        self._parts: dict[TopicPartition, _Partition] = {}
+        self._parts: dict[TopicPartition, Partition] = {}
         self._generation = 0  #: rebalances seen (revocations and assignments)
         self._stopping = False
         self._started = False
@@ -298,7 +262,7 @@ class KafkaRunner:
                 # (every partition's: aiokafka's rebalances are eager), so a record is not run
                 # by a consumer that no longer owns it, nor twice by one that owns it again
                 for part in list(self._parts.values()):
-                    self._reap(part)
+                    part.reap()
         finally:
             await self.stop()
 
@@ -329,116 +293,22 @@ class KafkaRunner:
         for tp, records in data.items():
             part = self._parts.get(tp)
             if part is None:
-                part = self._parts[tp] = _Partition(tp)
-            if part.revoked or not records:
-                continue
-            part.pending.extend(records)
-            if len(part.pending) >= 2 * self.max_records and not part.paused:
-                self._kafka.pause(tp)  # backpressure: stop fetching what we cannot keep up with
-                part.paused = True
-            self._reap(part)  # a dead worker is looked at before anything replaces it
-            if part.task is None:
-                part.task = asyncio.create_task(self._work(part), name=f"consumer-idem {tp}")
-            if self._prepare is not None:
-                part.unprepared.extend(records)
-                if part.preparer is None or part.preparer.done():
-                    part.preparer = asyncio.create_task(
-                        self._prepare_ahead(part), name=f"consumer-idem prepare {tp}"
-                    )
+                part = self._parts[tp] = Partition(self, tp)
+            if not part.revoked and records:
+                part.add(records)
 
-    async def _prepare_ahead(self, part: _Partition) -> None:
-        """Messages, keys and fingerprints of fetched records, computed while the partition's
-        worker waits for Postgres (that CPU then overlaps the database's instead of adding to
-        it). In slices, so the worker resumes as soon as its answer is in."""
-        prepare = self._prepare
-        assert prepare is not None
-        done = 0
-        while part.unprepared and not part.revoked and not self._stopping:
-            record = part.unprepared.popleft()
-            if record.offset <= part.taken:  # the worker got there first
-                continue
-            message = to_message(record)
-            with contextlib.suppress(Exception):  # the worker meets it again and decides
-                prepare(message)
-            part.ahead[record.offset] = message
-            done += 1
-            if done % 32 == 0:
-                await asyncio.sleep(0)
+    #: how a partition reads a record
+    to_message = staticmethod(to_message)
 
-    def _messages(
-        self, part: _Partition, chunk: list[ConsumerRecord[bytes, bytes]]
-    ) -> list[ConsumerMessage]:
-        """The chunk as messages: those prepared ahead, fresh ones for the rest (and for a
-        record seen before: a retried record's earlier message may carry its handler's changes)."""
-        pop = part.ahead.pop
-        messages = [pop(r.offset) if r.offset in part.ahead else to_message(r) for r in chunk]
-        part.taken = max(part.taken, chunk[-1].offset)
-        return messages
+    def pause(self, tp: TopicPartition) -> None:
+        self._kafka.pause(tp)
 
-    def _reap(self, part: _Partition) -> None:
-        """Look at a finished worker. One that failed is logged with its traceback and
-        restarted (after a backoff, in ``_work``) from the partition's first unsettled record:
-        records are only removed from ``pending`` once settled, and nothing after the first
-        unsettled one is ever committed, so no record is skipped or committed unrun."""
-        task = part.task
-        if task is None or not task.done():
-            return
-        part.task = None
-        if task.cancelled() or task.exception() is None:
-            return
-        exc = task.exception()
-        self.stats.failures += 1
-        part.failures += 1
-        head = part.pending[0].offset if part.pending else None
-        log.error(
-            "worker of %s failed; restarting it at offset %s (nothing after it is committed)",
-            part.tp,
-            head,
-            exc_info=exc,
-        )
-        if part.pending and not part.revoked and not self._stopping:
-            part.task = asyncio.create_task(self._work(part), name=f"consumer-idem {part.tp}")
+    def resume(self, tp: TopicPartition) -> None:
+        with contextlib.suppress(Exception):  # revoked meanwhile: nothing to resume
+            self._kafka.resume(tp)
 
-    async def _work(self, part: _Partition) -> None:
-        if part.failures:  # restarted after a failure: back off first (without holding a slot)
-            await settle.pause(
-                RESTART_BACKOFF.delay(part.failures), lambda: part.revoked or self._stopping
-            )
-        while part.pending and not part.revoked and not self._stopping:
-            # A slot per chunk, not per partition: a partition with a backlog lets the others
-            # in between its chunks, and one waiting to retry (below) holds no slot at all.
-            async with self._slots:
-                if not part.pending or part.revoked or self._stopping:
-                    return
-                chunk = [part.pending[i] for i in range(min(self.chunk, len(part.pending)))]
-                messages = self._messages(part, chunk)
-                if self._hook is not None:  # the offset commits with the effects
-                    assert isinstance(self.consumer, IdempotentConsumer)
-                    verdicts = await self.consumer.process_batch(messages, self._hook)
-                else:
-                    verdicts = await self.consumer.process_batch(messages)
-                retry: _Delivery | None = None
-                wait: Verdict | None = None
-                unsettled = False
-                for record, verdict in zip(chunk, verdicts, strict=False):
-                    if verdict.action is Action.RETRY:  # it and all after it wait (order)
-                        retry, wait = _Delivery(part, record), verdict
-                        break
-                    outcome = await settle.settle(self, _Delivery(part, record), verdict)
-                    if outcome is Settled.RETRY:  # not acked (its original could not be kept):
-                        break  # processed again from this record, after the wait it took
-                    if outcome is not Settled.ACKED:
-                        unsettled = True  # stopping before its publish was confirmed
-                        break
-                self._commit_soon(part)
-                if part.paused and len(part.pending) < self.max_records and not part.revoked:
-                    with contextlib.suppress(Exception):
-                        self._kafka.resume(part.tp)
-                    part.paused = False
-            if unsettled:
-                return
-            if retry is not None and wait is not None:
-                await settle.settle(self, retry, wait)
+    async def commit_offset(self, tp: TopicPartition, offset: int) -> None:
+        await self._kafka.commit({tp: offset})
 
     # --- the settle-path transport (consumer_idem.transports.settle.Transport) --------------------
 
@@ -452,42 +322,35 @@ class KafkaRunner:
     def permanent(self, exc: BaseException) -> bool:
         return isinstance(exc, PERMANENT_ERRORS)
 
-    async def ack(self, delivery: _Delivery) -> None:
+    async def ack(self, delivery: Delivery) -> None:
         """The offset may be committed now; the worker commits the contiguous prefix."""
-        part, record = delivery.part, delivery.record
-        assert part.pending and part.pending[0] is record, "settled out of order"
-        part.pending.popleft()
-        part.done, part.done_record = record.offset + 1, record
-        part.failures = 0
+        delivery.part.acked(delivery.record)
 
-    async def retry_later(self, delivery: _Delivery, verdict: Verdict) -> None:
+    async def retry_later(self, delivery: Delivery, verdict: Verdict) -> None:
         """Not committed: the partition waits (its later records too, to keep the order) and
         the worker processes the record again."""
-        part = delivery.part
         log.info(
             "scope=%s key=%s: retrying %s@%s in %.2fs (%s)",
             verdict.scope,
             verdict.key,
-            part.tp,
+            delivery.part.tp,
             delivery.record.offset,
             verdict.retry_after,
             verdict.reason,
         )
-        part.wake.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(part.wake.wait(), timeout=verdict.retry_after)
+        await delivery.part.wait(verdict.retry_after)
 
-    async def give_back(self, delivery: _Delivery) -> None:
+    async def give_back(self, delivery: Delivery) -> None:
         """Nothing to do: the offset did not move; the record is read again after a restart."""
 
-    def dead_letter_destination(self, delivery: _Delivery) -> str:
+    def dead_letter_destination(self, delivery: Delivery) -> str:
         return self._dead_letter_topic(delivery.record.topic)
 
-    def body_size(self, delivery: _Delivery) -> int:
+    def body_size(self, delivery: Delivery) -> int:
         return len(delivery.record.value or b"")
 
     async def send_dead_letter(
-        self, delivery: _Delivery, verdict: Verdict, body_dropped: bool
+        self, delivery: Delivery, verdict: Verdict, body_dropped: bool
     ) -> None:
         record = delivery.record
         await self._send(
@@ -497,7 +360,7 @@ class KafkaRunner:
             dead_letter_headers(record, verdict, body_dropped),
         )
 
-    def notice_body(self, delivery: _Delivery, verdict: Verdict, with_original: bool) -> bytes:
+    def notice_body(self, delivery: Delivery, verdict: Verdict, with_original: bool) -> bytes:
         if not with_original:
             return reconcile_notice(verdict)
         record = delivery.record
@@ -542,68 +405,14 @@ class KafkaRunner:
             return f"{topic}.dlq"
         return self._dlq(topic) if callable(self._dlq) else self._dlq
 
-    async def _commit(self, part: _Partition) -> None:
-        if part.done is None:
-            return
-        offset: int | None = part.done
-        if self.offsets is not None:  # Postgres first; Kafka's copy is advisory (lag)
-            mark = None if part.done_record is None else record_mark(part.done_record)
-            offset = await self._save_offset(part, part.done, mark)
-        if offset is None:
-            return
-        async with part.commit_lock:
-            if offset == part.committed or (part.committed or 0) > offset:
-                return  # a later commit got there first
-            try:
-                await self._kafka.commit({part.tp: offset})
-            except (KafkaError, AssertionError) as exc:
-                # Rebalancing, or no longer ours: the next owner re-reads from the last commit
-                # and meets completed records (replays), so nothing is lost or doubled.
-                log.warning("commit of %s@%d failed: %r", part.tp, offset, exc)
-                return
-            part.committed = offset
-            self.stats.commits += 1
-
-    async def _final_commits(self, parts: list[_Partition]) -> None:
+    async def _final_commits(self, parts: list[Partition]) -> None:
         """Stopping, or the partitions are revoked: their last offsets committed, and every
         commit still running in the background finished, before they are let go."""
         for part in parts:
-            self._reap(part)
-            await self._commit(part)
+            part.reap()
+            await part.commit()
         committers = [p.committer for p in parts if p.committer is not None]
         await asyncio.gather(*committers, return_exceptions=True)
-
-    def _commit_soon(self, part: _Partition) -> None:
-        """Commit in the background: the worker goes on with its next chunk instead of
-        waiting for the broker (a few ms per commit). Stopping and revocations commit (and wait)
-        themselves; a commit that lags only widens what a crash makes the next owner read
-        again, and the keys make those replays."""
-        if part.committer is None or part.committer.done():
-            part.committer = asyncio.create_task(self._commit_latest(part))
-
-    async def _commit_latest(self, part: _Partition) -> None:
-        while True:
-            done = part.done
-            await self._commit(part)
-            if part.done == done or part.revoked or self._stopping:
-                return
-
-    async def _save_offset(self, part: _Partition, done: int, mark: str | None) -> int | None:
-        """Store ``done`` (and ``mark``, the record before it) as the partition's next offset in
-        Postgres, unless a transaction already did; returns what Postgres holds now (None:
-        nothing yet)."""
-        assert self.offsets is not None
-        tp = (part.tp.topic, part.tp.partition)
-        stored = self._stored.get(tp)
-        if stored is not None and stored >= done:
-            return stored
-        try:
-            await self.offsets.save({tp: (done, mark)})
-        except ConsumerIdemError as exc:  # the next commit tries again; keys cover a crash
-            log.warning("storing the offset of %s@%d failed: %s", part.tp, done, exc)
-            return stored
-        self._stored[tp] = done
-        return done
 
     async def _assigned(self, assigned: set[TopicPartition]) -> None:
         """With offsets in Postgres: start each assigned partition at its stored offset, if it
@@ -650,11 +459,11 @@ class KafkaRunner:
             self._kafka, self.offsets, stored, self._probe_options, self.consumer.scope
         )
         for key, offset in positions.items():
-            self._stored[key] = stored[key][0]
+            self.stored[key] = stored[key][0]
             self._kafka.seek(by_key[key], offset)
         log.info("started at the offsets stored in Postgres: %s", sorted(positions.items()))
 
-    async def _drain(self, parts: list[_Partition]) -> None:
+    async def _drain(self, parts: list[Partition]) -> None:
         tasks = [p.task for p in parts if p.task is not None and not p.task.done()]
         if not tasks:
             return
@@ -677,7 +486,7 @@ class KafkaRunner:
         for part in parts:
             del self._parts[part.tp]
         for tp in revoked:  # read again if it comes back: someone else may move it on
-            self._stored.pop((tp.topic, tp.partition), None)
+            self.stored.pop((tp.topic, tp.partition), None)
         log.info("partitions revoked: %s", sorted(str(tp) for tp in revoked))
 
 

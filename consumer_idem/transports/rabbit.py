@@ -41,10 +41,8 @@ except ImportError as exc:
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
-import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -56,19 +54,16 @@ from aio_pika.abc import (
     AbstractRobustConnection,
 )
 
-from consumer_idem.backoff import Backoff
 from consumer_idem.consumer import (
     DEAD_LETTER_ERROR,
     DEAD_LETTER_KEY,
     DEAD_LETTER_REASON,
     DEAD_LETTER_SCOPE,
-    Action,
     IdempotentConsumer,
     Processor,
     Verdict,
     reconcile_notice,
 )
-from consumer_idem.message import ConsumerMessage, header_bytes
 from consumer_idem.notice import AMQP_PROPERTIES, KEY_HEADER, SCOPE_HEADER, Notice
 from consumer_idem.notice import ORIGINAL_QUEUE as ORIGINAL_QUEUE
 from consumer_idem.outbox import OutboxService
@@ -76,56 +71,23 @@ from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.transports import settle, start_failures
 from consumer_idem.transports.delivery_budget import DeliveryBudget
 from consumer_idem.transports.rabbit_acks import AckWindow as AckWindow
+from consumer_idem.transports.rabbit_collector import BatchCollector
 from consumer_idem.transports.rabbit_limits import check_arguments, declare_consumed
+from consumer_idem.transports.rabbit_message import SPENT_DELIVERIES as SPENT_DELIVERIES
+from consumer_idem.transports.rabbit_message import redelivered_before as redelivered_before
+from consumer_idem.transports.rabbit_message import spent_deliveries as spent_deliveries
+from consumer_idem.transports.rabbit_message import to_message as to_message
 from consumer_idem.transports.rabbit_outbox import QUORUM as QUORUM
 from consumer_idem.transports.rabbit_outbox import RabbitOutboxSender as RabbitOutboxSender
 from consumer_idem.transports.rabbit_outbox import outgoing_message as outgoing_message
 from consumer_idem.transports.rabbit_outbox import permanent as permanent
-from consumer_idem.transports.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats, Settled
+from consumer_idem.transports.rabbit_window import HANDBACK_BACKOFF as HANDBACK_BACKOFF
+from consumer_idem.transports.rabbit_window import ChannelWindow
+from consumer_idem.transports.settle import DEAD_LETTER_BODY_DROPPED, RunnerStats
 
 log = logging.getLogger("consumer_idem.transports.rabbit")
 
 DEFAULT_RECONCILE_QUEUE = "consumer_idem.reconcile"
-#: on a copy handed back after a long wait: the deliveries its original had already spent
-SPENT_DELIVERIES = "x-consumer-idem-deliveries"
-#: how long a delivery that failed unexpectedly waits before it is handed back
-HANDBACK_BACKOFF = Backoff(0.5, 10.0)
-
-
-def to_message(message: AbstractIncomingMessage) -> ConsumerMessage:
-    headers = {k: header_bytes(v) for k, v in (message.headers or {}).items() if v is not None}
-    count = headers.get("x-delivery-count")
-    return ConsumerMessage(
-        body=message.body,
-        headers=headers,
-        message_id=message.message_id,
-        delivery_count=int(count) if count and count.isdigit() else None,
-        content_type=message.content_type,
-        raw=message,
-    )
-
-
-def spent_deliveries(message: ConsumerMessage) -> int | None:
-    """Deliveries of this message that counted: the broker's ``x-delivery-count`` plus what a
-    handed-back copy carries over from its original."""
-    carried = message.headers.get(SPENT_DELIVERIES)
-    extra = int(carried) if carried and carried.isdigit() else 0
-    if message.delivery_count is None and not extra:
-        return None
-    return (message.delivery_count or 0) + extra
-
-
-def redelivered_before(message: AbstractIncomingMessage) -> bool:
-    """Delivered before (maybe what killed the last consumer): it runs alone, and counts."""
-    return bool(message.redelivered or spent_deliveries(to_message(message)))
-
-
-def _lost(exc: BaseException) -> bool:
-    """A lost channel or connection: routine (a broker restart), logged without a traceback."""
-    return isinstance(
-        exc,
-        aiormq.exceptions.AMQPError | aiormq.exceptions.ChannelInvalidStateError | ConnectionError,
-    )
 
 
 def dead_letter_headers(
@@ -279,6 +241,8 @@ class RabbitRunner:
             if isinstance(consumer, IdempotentConsumer)
             else None
         )
+        #: the deliveries in hand and their workers
+        self.window = ChannelWindow(self, self._budget)
         self.drain_timeout = drain_timeout
         #: how long a waiting delivery stays in hand before it is handed back as a copy (keep it
         #: under RabbitMQ's ``consumer_timeout``, 30 minutes by default)
@@ -288,13 +252,12 @@ class RabbitRunner:
         self._channel: AbstractRobustChannel | None = None
         self._queue: AbstractQueue | None = None
         self._tag: str | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
-        # batch mode: the deliveries gathered for the next batch, the timer that closes it,
-        # the ack window of each channel (by id; its numbering starts again after a reconnect)
-        # and the task that sends the acks
-        self._gathered: list[AbstractIncomingMessage] = []
-        self._closer: asyncio.TimerHandle | None = None
+        # batch mode: the collector of the next batch, the ack window of each channel (by id;
+        # its numbering starts again after a reconnect) and the task that sends the acks
+        self._collector = BatchCollector(
+            batch_size, batch_wait, lambda batch: self.window.spawn(self.window.handle_batch(batch))
+        )
         self._windows: dict[int, AckWindow] = {}
         self._flusher: asyncio.Task[None] | None = None
         self._acks_due = asyncio.Event()
@@ -377,156 +340,19 @@ class RabbitRunner:
             with contextlib.suppress(Exception):
                 await self._queue.cancel(self._tag)
             self._tag = None
-        self._close_batch()  # what was gathered is in hand: finish it like the rest
-        # tasks start others (a batch's lone members, the ack flusher): wait for those too
-        deadline = time.monotonic() + self.drain_timeout
-        while self._tasks:
-            _, late = await asyncio.wait(
-                set(self._tasks), timeout=max(0.0, deadline - time.monotonic())
-            )
-            if late and time.monotonic() >= deadline:
-                for task in late:  # unacked: the broker redelivers them after we close
-                    task.cancel()
-                await asyncio.wait(late)
-                break
+        self._collector.close()  # what was gathered is in hand: finish it like the rest
+        await self.window.drain(self.drain_timeout)
         await self.outbox.stop()  # sends what the units committed meanwhile
         if self._connection is not None:
             await self._connection.close()
             self._connection = None
 
-    def _spawn(self, work: Any) -> asyncio.Task[None]:
-        task = asyncio.create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         if not self.batch:
-            self._spawn(self._handle(message))
-            return
-        if self._stopping.is_set():
-            return  # arrived after the cancel: unacked, the broker has it back when we close
-        self._gathered.append(message)
-        if len(self._gathered) >= self.batch_size:
-            self._close_batch()
-        elif self._closer is None:
-            self._closer = asyncio.get_running_loop().call_later(self.batch_wait, self._close_batch)
-
-    # --- batch mode ----------------------------------------------------------------------------
-
-    def _close_batch(self) -> None:
-        if self._closer is not None:
-            self._closer.cancel()
-            self._closer = None
-        if self._gathered:
-            batch, self._gathered = self._gathered, []
-            self._spawn(self._handle_batch(batch))
-
-    async def _handle_batch(self, messages: list[AbstractIncomingMessage]) -> None:
-        unsettled = dict.fromkeys(messages)  # in order; a member leaves once it is settled
-        try:
-            await self._run_batch(unsettled)
-        except asyncio.CancelledError:
-            raise  # stop() gave up on it: unacked, the broker delivers it again after we close
-        except Exception as exc:
-            self.stats.failures += 1
-            log.log(
-                logging.WARNING if _lost(exc) else logging.ERROR,
-                "a batch of %d deliveries failed (%r); handing back the %d unsettled",
-                len(messages),
-                exc,
-                len(unsettled),
-                exc_info=None if _lost(exc) else exc,
-            )
-            for message in unsettled:
-                self._spawn(self._hand_back(message))
-
-    async def _run_batch(self, unsettled: dict[AbstractIncomingMessage, None]) -> None:
-        scope = self.consumer.scope
-        fresh: list[AbstractIncomingMessage] = []
-        views: list[ConsumerMessage] = []  # for the first attempt (not decoded yet)
-        for message in list(unsettled):
-            view = to_message(message)
-            spent = spent_deliveries(view)
-            if self._over_budget(spent):
-                verdict = Verdict(Action.DEAD_LETTER, scope, reason="max_deliveries")
-                await settle.settle(self, message, verdict)
-                del unsettled[message]
-                continue
-            if redelivered_before(message):
-                # delivered before and never settled: maybe what killed the last consumer
-                del unsettled[message]
-                self._spawn(self._handle(message))
-            else:
-                fresh.append(message)
-                views.append(view)
-        started = time.monotonic()
-        while fresh:
-            # a fresh view per attempt: a handler that changed the parsed bodies in place
-            # must not hand its changes to the next attempt
-            if not views:
-                views = [to_message(m) for m in fresh]
-            run = functools.partial(self.consumer.process_batch, views)
-            verdicts = await (run if self._budget is None else self._budget.fresh(run))()
-            views = []
-            done = 0
-            for message, verdict in zip(fresh, verdicts, strict=False):
-                if verdict.action is Action.RETRY:
-                    break
-                outcome = await settle.settle(self, message, verdict)
-                if outcome is Settled.UNSETTLED:
-                    return  # stopping before a publish was confirmed: unacked, redelivered
-                del unsettled[message]
-                done += 1
-            rest = fresh[done:]
-            if not rest:
-                return
-            if done >= len(verdicts):
-                # the batch settled a prefix and left the rest to be decided again (its
-                # handler ended the transaction itself): the rest runs as a batch of its own,
-                # or, if nothing was settled, each member on its own
-                if done:
-                    fresh = rest
-                    continue
-                for message in rest:
-                    del unsettled[message]
-                    self._spawn(self._handle(message))
-                return
-            head, verdict = rest[0], verdicts[done]
-            held = time.monotonic() - started
-            if (
-                verdict.reason == "store_unavailable"
-                and not self.stopping()
-                and (self.max_hold is None or held < self.max_hold)
-            ):
-                # the store is down for every member: the batch waits in hand, whole
-                self.stats.retries += 1
-                log.info(
-                    "scope=%s: a batch of %d waits %.2fs in hand (store unavailable)",
-                    scope,
-                    len(rest),
-                    verdict.retry_after,
-                    extra={"scope": scope},
-                )
-                await settle.pause(max(verdict.retry_after, 0.05), self.stopping)
-                fresh = rest
-                continue
-            if verdict.reason == "store_unavailable":
-                # held for max_hold already, or stopping: each one is handed back
-                for message in rest:
-                    del unsettled[message]
-                    self._spawn(self._settle_alone(message, verdict))
-                return
-            # one member must wait for another owner, or failed: it goes its own way (held
-            # in hand, or delivered again after its backoff); the others go on without it
-            del unsettled[head]
-            self._spawn(self._settle_alone(head, verdict))
-            fresh = rest[1:]
-
-    async def _settle_alone(self, message: AbstractIncomingMessage, verdict: Verdict) -> None:
-        """A member a batch could not settle: a wait is decided again on its own, with the
-        delivery in hand (:func:`settle.process_holding`); a failure is retried later."""
-        await self._handle(message, None if settle.is_wait(verdict) else verdict)
+            self.window.spawn(self.window.handle(message))
+        elif not self._stopping.is_set():
+            self._collector.add(message)
+        # else: arrived after the cancel: unacked, the broker has it back when we close
 
     def _ack_window(self, message: AbstractIncomingMessage) -> AckWindow:
         channel = message.channel  # raises once the channel is closed: nothing to ack there
@@ -555,7 +381,7 @@ class RabbitRunner:
             with contextlib.suppress(TimeoutError):  # new acks, or the lingering ones are due
                 await asyncio.wait_for(self._acks_due.wait(), due)
 
-    async def _send(self, message: AbstractIncomingMessage, *, ack: bool) -> None:
+    async def send(self, message: AbstractIncomingMessage, *, ack: bool) -> None:
         """Ack, or hand back (``nack``, requeue), this one delivery now; in batch mode its ack
         window learns that the tag is settled."""
         window = self._ack_window(message) if self.batch else None
@@ -565,60 +391,6 @@ class RabbitRunner:
             await message.nack(requeue=True)
         if window is not None:
             window.settled(message.delivery_tag)
-
-    # --- one delivery --------------------------------------------------------------------------
-
-    async def _handle(
-        self, message: AbstractIncomingMessage, verdict: Verdict | None = None
-    ) -> None:
-        try:
-            if verdict is None:
-                verdict = await self._decide(message)
-            await settle.settle(self, message, verdict)
-        except asyncio.CancelledError:
-            raise  # stop() gave up on it: unacked, the broker delivers it again after we close
-        except Exception as exc:
-            self.stats.failures += 1
-            log.log(
-                logging.WARNING if _lost(exc) else logging.ERROR,
-                "delivery %s failed (%r); handing it back",
-                message.delivery_tag,
-                exc,
-                exc_info=None if _lost(exc) else exc,
-            )
-            await self._hand_back(message)
-
-    async def _decide(self, message: AbstractIncomingMessage) -> Verdict:
-        if self._over_budget(spent_deliveries(to_message(message))):
-            return Verdict(Action.DEAD_LETTER, self.consumer.scope, reason="max_deliveries")
-        # a fresh view per attempt: a handler that changed the parsed body in place must not
-        # hand its changes to the next attempt
-        process = lambda: self.consumer.process(to_message(message))  # noqa: E731
-        if self._budget is not None:  # a suspect runs alone, a first delivery beside others
-            suspect = self._budget.suspect(lambda: to_message(message))
-            process = suspect if redelivered_before(message) else self._budget.fresh(process)
-        return await settle.process_holding(
-            process,
-            stats=self.stats,
-            stopping=self._stopping.is_set,
-            max_hold=self.max_hold,
-        )
-
-    def _over_budget(self, spent: int | None) -> bool:
-        """Delivered ``max_deliveries`` times by the broker's count, for a processor with no
-        budget in Postgres (the reconciler): dead-lettered without running again."""
-        if self._budget is not None:
-            return False
-        limit = self.max_deliveries
-        return limit is not None and spent is not None and spent >= limit
-
-    async def _hand_back(self, message: AbstractIncomingMessage) -> None:
-        count = to_message(message).delivery_count or 0
-        await settle.pause(HANDBACK_BACKOFF.delay(count + 1), self._stopping.is_set)
-        try:
-            await self._send(message, ack=False)
-        except Exception as exc:  # channel gone: the broker redelivers it anyway
-            log.warning("could not hand back delivery %s: %r", message.delivery_tag, exc)
 
     # --- the settle-path transport (consumer_idem.transports.settle.Transport) --------------------
 
@@ -640,7 +412,7 @@ class RabbitRunner:
         self._ack_window(message).ready(message)
         self._acks_due.set()
         if self._flusher is None or self._flusher.done():
-            self._flusher = self._spawn(self._flush_acks())
+            self._flusher = self.window.spawn(self._flush_acks())
 
     async def retry_later(self, message: AbstractIncomingMessage, verdict: Verdict) -> None:
         counted_ahead = redelivered_before(message)  # a suspect counted itself ahead
@@ -655,10 +427,10 @@ class RabbitRunner:
                 stopping=self.stopping,
                 permanent=self.permanent,
             ):
-                await self._send(message, ack=True)
+                await self.send(message, ack=True)
                 return
         await settle.pause(verdict.retry_after, self.stopping)
-        await self._send(message, ack=False)
+        await self.send(message, ack=False)
 
     async def give_back(self, message: AbstractIncomingMessage) -> None:
         """Stopping: left unacked; closing the channel returns it to the queue."""

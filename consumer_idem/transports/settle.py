@@ -443,11 +443,17 @@ def count_ack(stats: RunnerStats, verdict: Verdict) -> None:
         stats.executed += 1
 
 
-@tracing.traced_settle
 async def settle(transport: Transport[D], delivery: D, verdict: Verdict) -> Settled:
     """Carry out ``verdict`` for ``delivery``: keep the original of an ``unknown`` outcome,
     publish durably, then ack; never ack a retry, and never ack when a publish or the keeping
     did not complete."""
+    with tracing.settling(verdict) as span:
+        settled = await _settle(transport, delivery, verdict)
+        span.describe(settled)
+    return settled
+
+
+async def _settle(transport: Transport[D], delivery: D, verdict: Verdict) -> Settled:
     stats = transport.stats
     if is_unknown(verdict):
         instead = await keep_original(transport, delivery, verdict)
@@ -479,22 +485,33 @@ async def settle(transport: Transport[D], delivery: D, verdict: Verdict) -> Sett
     return Settled.ACKED
 
 
-async def process_holding(
-    process: Callable[[], Awaitable[Verdict]],
-    *,
-    stats: RunnerStats,
-    stopping: Callable[[], bool],
-    max_hold: float | None,
-) -> Verdict:
-    """``process()`` again, with the delivery in hand, for as long as its verdict is a wait
-    (:func:`is_wait`), at most ``max_hold`` seconds and not once stopping. Returns the first
-    verdict that is not a wait, or the last wait."""
-    started = time.monotonic()
-    verdict = await process()
-    while is_wait(verdict) and not stopping():
-        if max_hold is not None and time.monotonic() - started >= max_hold:
-            break
-        stats.retries += 1
+class Holding:
+    """A delivery held in hand while its verdict is a wait (:func:`is_wait`): at most
+    ``max_hold`` seconds, and not once stopping. For a worker that runs each try itself::
+
+        holding = Holding(stats, stopping, max_hold)
+        verdict = await consumer.process(view())
+        while await holding.again(verdict):
+            verdict = await consumer.process(view())
+    """
+
+    __slots__ = ("max_hold", "started", "stats", "stopping")
+
+    def __init__(
+        self, stats: RunnerStats, stopping: Callable[[], bool], max_hold: float | None
+    ) -> None:
+        self.stats = stats
+        self.stopping = stopping
+        self.max_hold = max_hold
+        self.started = time.monotonic()
+
+    async def again(self, verdict: Verdict) -> bool:
+        """After a try: whether to try again, once its wait is over."""
+        if not is_wait(verdict) or self.stopping():
+            return False
+        if self.max_hold is not None and time.monotonic() - self.started >= self.max_hold:
+            return False
+        self.stats.retries += 1
         log.info(
             "scope=%s key=%s: waiting %.2fs in hand (%s)",
             verdict.scope,
@@ -503,8 +520,21 @@ async def process_holding(
             verdict.reason,
             extra={"scope": verdict.scope, "key": verdict.key},
         )
-        await pause(max(verdict.retry_after, 0.05), stopping)  # never a busy loop
-        if stopping():
-            break
+        await pause(max(verdict.retry_after, 0.05), self.stopping)  # never a busy loop
+        return not self.stopping()
+
+
+async def process_holding(
+    process: Callable[[], Awaitable[Verdict]],
+    *,
+    stats: RunnerStats,
+    stopping: Callable[[], bool],
+    max_hold: float | None,
+) -> Verdict:
+    """``process()`` again, with the delivery in hand, for as long as its verdict is a wait
+    (:class:`Holding`). Returns the first verdict that is not a wait, or the last wait."""
+    holding = Holding(stats, stopping, max_hold)
+    verdict = await process()
+    while await holding.again(verdict):
         verdict = await process()
     return verdict

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -23,13 +22,13 @@ from consumer_idem.commit import (
     check_sql,
     commit,
     execute_and_commit,
-    mark_lost,
-    new_mark,
     prepare_check_sql,
-    rollback,
     run_check_sql,
 )
 from consumer_idem.errors import KeyInFlight
+from consumer_idem.stores.postgres.ahead import DONE_SETTING as DONE_SETTING
+from consumer_idem.stores.postgres.ahead import Ahead as Ahead
+from consumer_idem.stores.postgres.ahead import AheadRun, committed_before, running_on
 from consumer_idem.stores.postgres.migrate import per_schema_name
 from consumer_idem.stores.results import encode_result
 from consumer_idem.types import Record, ResultKind, Status, StoredResponse
@@ -58,37 +57,37 @@ def dollar_quote(text: str) -> str:
 
 log = logging.getLogger("consumer_idem.stores.postgres.fast_path")
 
-#: set (session-level) to a transaction's mark by the check of a COMMIT that carries the next
-#: unit's claim: it outlives the transaction only if that COMMIT committed (a setting made in a
-#: transaction that aborts is undone with it)
-DONE_SETTING = "consumer_idem.done"
 
-
-@dataclass(eq=False, slots=True)
-class Ahead:
-    """The next unit's BEGIN and claim, sent in the round trip of this unit's COMMIT, right
-    after it (3 round trips a unit instead of 4 for a connection that runs units back to back:
-    the Kafka runner's partition worker). Asked for with :meth:`FastPath.ask_ahead`, taken by
-    the next unit's claim (:meth:`FastPath.take_ahead`)."""
-
-    scope: str
-    key: str
-    fingerprint: str
-    retention: timedelta | float | None
-    #: the mark the next unit's transaction carries (see ``consumer_idem.commit``)
-    mark: str = field(default_factory=new_mark)
-    #: once sent: whether the claim inserted the row (False: the key has a row already)
-    claimed: bool = False
-
-    def serves(
-        self, scope: str, key: str, fingerprint: str, retention: timedelta | float | None
-    ) -> bool:
-        return (self.scope, self.key, self.fingerprint, self.retention) == (
-            scope,
-            key,
-            fingerprint,
-            retention,
-        )
+def completed_record(
+    store: PostgresStore,
+    scope: str,
+    key: str,
+    fingerprint: str,
+    encoded: str | None,
+    retention: timedelta | float | None = None,
+) -> Record:
+    """The record the transactional fast path committed, without reading it back."""
+    now = datetime.now(UTC)
+    return Record(
+        scope=scope,
+        key=key,
+        fingerprint=fingerprint,
+        status=Status.COMPLETED,
+        owner_token=None,
+        locked_until=None,
+        attempts=1,
+        result_json=encoded,
+        result_kind=ResultKind.SUCCESS,
+        response=None,
+        last_error=None,
+        reconcile_after=None,
+        reconcile_attempts=0,
+        reconcile_published_at=None,
+        created_at=now,
+        updated_at=now,
+        completed_at=now,
+        expires_at=now + store.retention_for(scope, retention),
+    )
 
 
 class FastPath:
@@ -104,10 +103,6 @@ class FastPath:
         self._check_done_stmt = per_schema_name("consumer_idem_checkdone", store.schema)
         #: per scope: batches left that claim with ON CONFLICT straight away (after a conflict)
         self._plain_claims_skipped: dict[str, int] = {}
-        #: per connection: the next unit's claim to send with this unit's COMMIT, and the one
-        #: sent (its transaction open) that the next unit has not taken yet
-        self._asked: dict[Any, Ahead] = {}
-        self._begun: dict[Any, Ahead] = {}
 
     @property
     def prepared(self) -> bool:
@@ -211,19 +206,12 @@ class FastPath:
 
     # --- the next unit's claim, in the round trip of this unit's COMMIT ---------------------
 
-    def ask_ahead(self, conn: Any, ahead: Ahead) -> None:
-        """Have the next completion on ``conn`` (:meth:`finish_claimed` of a fresh claim) begin
-        ``ahead``'s transaction and claim its key right after its COMMIT. The caller runs that
-        unit next on ``conn`` (its claim takes it: :meth:`take_ahead`), calls
-        :meth:`forget_ahead` once the current unit is over, and :meth:`end_ahead` when it stops
-        using ``conn``. Not behind a transaction pooler: whether the COMMIT before it
-        happened is read from a session setting there (:meth:`_committed_before`)."""
-        if self.prepared:
-            self._asked[conn] = ahead
-
-    def forget_ahead(self, conn: Any) -> None:
-        """The current unit is over: an ahead claim it did not send is not wanted any more."""
-        self._asked.pop(conn, None)
+    def run_on(self, conn: Any) -> AheadRun:
+        """``async with store.fast_path.run_on(conn) as run``: units run back to back on
+        ``conn``, each asking for the next one's claim (:meth:`AheadRun.ask`) to ride after
+        its COMMIT. Not behind a transaction pooler: whether the COMMIT before it happened is
+        read from a session setting there (:func:`committed_before`)."""
+        return AheadRun(conn, self.store, enabled=self.prepared)
 
     def take_ahead(
         self,
@@ -234,54 +222,9 @@ class FastPath:
         retention: timedelta | float | None,
     ) -> Ahead | None:
         """The transaction begun ahead on ``conn`` for this unit, its claim made: ``None``
-        when there is none. One begun for another unit (a unit answered from the cache took
-        no claim) stays for the caller's :meth:`begin_and_claim`, which rolls it back in the
-        round trip of its own BEGIN."""
-        ahead = self._begun.get(conn)
-        if ahead is None or not ahead.serves(scope, key, fingerprint, retention):
-            return None
-        del self._begun[conn]
-        if ahead.claimed:
-            self.store.metrics.inc("created", scope)
-        return ahead
-
-    async def end_ahead(self, conn: Any) -> None:
-        """``conn`` runs no further unit: roll back a transaction begun ahead and not taken
-        (nothing of it is durable; the claim goes with it)."""
-        self._asked.pop(conn, None)
-        if self._begun.pop(conn, None) is not None:
-            await rollback(conn)
-
-    async def _committed_before(self, conn: Any, exc: BaseException, mark: str) -> bool:
-        """The round trip of our COMMIT with the next unit's claim after it failed: did our
-        COMMIT happen (and the failure come after it)? False when it did not, and when that
-        cannot be known (the connection is gone): the caller then classifies the failure as
-        for a COMMIT alone.
-
-        Our transaction's check (the first statement of that round trip) sets a session setting
-        to its mark (see :data:`DONE_SETTING`). A session-level setting made in a transaction
-        lasts only if the transaction commits, so once whatever is left open is rolled back,
-        the setting on this connection answers, whatever other sessions did meanwhile (a
-        duplicate may have committed the key the moment our claim row was gone)."""
-        if (
-            mark_lost(exc)
-            or isinstance(exc, asyncpg.InFailedSQLTransactionError)
-            or self._check_done_stmt in str(exc)
-        ):
-            return False  # our check refused (or never ran): before our COMMIT
-        try:
-            if conn.is_closed():
-                return False
-            if conn.is_in_transaction():
-                await conn.execute("ROLLBACK")
-            done = await conn.fetchval(
-                f"SELECT current_setting('{DONE_SETTING}', true)",
-                timeout=self.store.command_timeout,
-            )
-        except Exception:  # the connection broke meanwhile: unknown, as for a COMMIT alone
-            log.debug("reading whether the COMMIT happened failed", exc_info=True)
-            return False
-        return bool(done == mark)
+        when there is none (see :meth:`AheadRun.take`)."""
+        run = running_on(conn)
+        return None if run is None else run.take(scope, key, fingerprint, retention)
 
     async def begin_and_claim(
         self,
@@ -308,7 +251,8 @@ class FastPath:
         """
         sql = self._begin_and_claim_sql(scope, key, fingerprint, retention, lock_timeout_ms, mark)
         # a transaction begun ahead for a unit that took no claim: it goes, in this round trip
-        stale = "ROLLBACK; " if self._begun.pop(conn, None) is not None else ""
+        run = running_on(conn)
+        stale = "ROLLBACK; " if run is not None and run.drop_begun() else ""
 
         async def claim(c: Any) -> str:
             try:
@@ -351,10 +295,11 @@ class FastPath:
         Other errors propagate as raised (the caller classifies them).
 
         With a ``mark`` (the check runs first), the next unit's claim asked for on ``conn``
-        (:meth:`ask_ahead`) rides after the COMMIT. The check makes the
+        (:meth:`AheadRun.ask`) rides after the COMMIT. The check makes the
         COMMIT's own tag redundant: a transaction that passed it is not aborted, so its COMMIT
         either commits or raises."""
-        ahead = self._asked.pop(conn, None)
+        run = running_on(conn)
+        ahead = None if run is None else run.pop_asked()
         if mark is None:  # (no mark, no check: the COMMIT's tag is read)
             statements = []
         elif ahead is None:
@@ -394,11 +339,12 @@ class FastPath:
         try:
             status = await conn.execute(f"{'; '.join(statements)}; COMMIT; {begin}")
         except Exception as exc:  # not a cancellation: that is the caller's to handle
-            if await self._committed_before(conn, exc, mark):
+            if await committed_before(conn, exc, mark, self._check_done_stmt, self.store):
                 return  # the next unit begins on its own (and prepares a claim gone missing)
             raise
         ahead.claimed = status == "INSERT 0 1"
-        self._begun[conn] = ahead
+        assert run is not None
+        run.begun = ahead
 
     async def claim_many(
         self,
@@ -493,37 +439,6 @@ class FastPath:
                 response.body,
                 timeout=self.store.command_timeout,
             ),
-        )
-
-    def completed_record(
-        self,
-        scope: str,
-        key: str,
-        fingerprint: str,
-        encoded: str | None,
-        retention: timedelta | float | None = None,
-    ) -> Record:
-        """The record the transactional fast path committed, without reading it back."""
-        now = datetime.now(UTC)
-        return Record(
-            scope=scope,
-            key=key,
-            fingerprint=fingerprint,
-            status=Status.COMPLETED,
-            owner_token=None,
-            locked_until=None,
-            attempts=1,
-            result_json=encoded,
-            result_kind=ResultKind.SUCCESS,
-            response=None,
-            last_error=None,
-            reconcile_after=None,
-            reconcile_attempts=0,
-            reconcile_published_at=None,
-            created_at=now,
-            updated_at=now,
-            completed_at=now,
-            expires_at=now + self.store.retention_for(scope, retention),
         )
 
     # --- records written without a prior reservation (transactional mode failure paths) -------
