@@ -35,12 +35,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Literal, ParamSpec, TypeVar
+from typing import Any, Literal, TypeVar
 
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.metrics import bounded_scope
@@ -54,7 +53,6 @@ try:  # optional dependency: the `otel` extra
 except ImportError:  # pragma: no cover - exercised in a subprocess without the package
     _trace = None  # type: ignore[assignment]
 
-P = ParamSpec("P")
 T = TypeVar("T")
 
 #: how a key appears in span attributes (see :func:`configure`)
@@ -504,25 +502,6 @@ def _describe_result(span: Any, result: Any) -> None:
         if root is not None:
             root.span.set_attribute(DECISION, str(decision))
             root.decided = True
-
-
-def traced(name: str) -> Callable[[Callable[P, Awaitable[T]]], Callable[P, Awaitable[T]]]:
-    """:func:`step` as a decorator, for a step that is a whole coroutine function."""
-
-    def decorate(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
-        if _trace is None:
-            return fn
-
-        @functools.wraps(fn)
-        async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-            with step(name) as span:
-                result = await fn(*args, **kwargs)
-                span.describe(result)
-                return result
-
-        return wrapper
-
-    return decorate
 
 
 @contextlib.contextmanager

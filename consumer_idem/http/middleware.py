@@ -159,10 +159,10 @@ class IdempotencyMiddleware:
             metrics.http_request(method, route, outcome)
         tracing.outcome(outcome)
 
-    @tracing.traced("handler")
     async def _run_app(self, request: KeyedRequest, context: IdempotencyContext) -> Captured:
         """Run the endpoint of ``request``; its response is captured, not sent (see
         :mod:`consumer_idem.http.capture`)."""
         captured = Captured(request.send)
-        await self.app(endpoint_scope(request.scope, context), request.receive, captured)
+        with tracing.step("handler"):
+            await self.app(endpoint_scope(request.scope, context), request.receive, captured)
         return captured
