@@ -407,3 +407,19 @@ def test_no_rendered_code_line_is_wider_than_the_code_column(site: Path) -> None
         if len(line) > CODE_COLUMN
     ]
     assert wide == [], "clipped at the rendered code column:\n" + "\n".join(wide)
+
+
+def test_the_api_reference_renders_cross_references_as_links(site: Path) -> None:
+    """Docstrings cross-reference with mkdocstrings' [`name`][identifier], rendered as a link;
+    a Sphinx role (:class:`X`) would show as raw text."""
+    role = re.compile(r":(?:py:)?(?:meth|func|class|attr|exc|mod|data|obj):`[^`]*`")
+    pages = sorted((site / "reference").rglob("index.html"))
+    assert len(pages) >= 10
+    raw = [
+        f"{page.relative_to(site)}: {found}"
+        for page in pages
+        for found in role.findall(html.unescape(re.sub(r"<[^>]+>", "", page.read_text())))
+    ]
+    assert raw == [], "raw roles in the API reference:\n" + "\n".join(raw)
+    links = sum(page.read_text().count('class="autorefs autorefs-internal"') for page in pages)
+    assert links > 150  # the docstrings' cross-references, as links
