@@ -1,4 +1,4 @@
-"""Adyen webhooks: every item of a batch verified, each run once, [accepted] after all commit."""
+"""Adyen: each item of a batch verified and run once, [accepted] after all."""
 
 import asyncio
 import json
@@ -12,18 +12,31 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 from consumer_idem import PostgresStore
-from consumer_idem.webhooks import WebhookReceiver, adyen_batch, adyen_verifier, sign_adyen_item
+from consumer_idem.webhooks import (
+    WebhookReceiver,
+    adyen_batch,
+    adyen_verifier,
+    sign_adyen_item,
+)
 
-DSN = os.environ.get("CONSUMER_IDEM_PG_DSN", "postgresql://postgres:postgres@127.0.0.1/postgres")
-# Customer Area > Developers > Webhooks > your Standard webhook > HMAC key (hexadecimal).
-# Several, comma-separated, while you rotate: the old one and the new one are both accepted.
-HMAC_KEYS = os.environ.get("ADYEN_HMAC_KEYS", "44782DEF547AAA06C910C43932B1EB0C").split(",")
+DSN = os.environ.get(
+    "CONSUMER_IDEM_PG_DSN", "postgresql://postgres:postgres@127.0.0.1/postgres"
+)
+# Customer Area > Developers > Webhooks > your Standard webhook > HMAC key
+# (hexadecimal).
+# Several, comma-separated, while you rotate: old and new are both accepted.
+HMAC_KEYS = os.environ.get(
+    "ADYEN_HMAC_KEYS", "44782DEF547AAA06C910C43932B1EB0C"
+).split(",")
 
 
 async def on_item(item: dict[str, Any], conn: asyncpg.Connection) -> None:
-    # runs once per pspReference + eventCode + success; commits with the dedupe record
+    # runs once per pspReference + eventCode + success;
+    # it commits with the dedupe record
     await conn.execute(
-        "INSERT INTO docs_adyen_events VALUES ($1, $2)", item["pspReference"], item["eventCode"]
+        "INSERT INTO docs_adyen_events VALUES ($1, $2)",
+        item["pspReference"],
+        item["eventCode"],
     )
 
 
@@ -31,9 +44,15 @@ async def main() -> None:
     pool = await asyncpg.create_pool(DSN)
     store = PostgresStore(pool)
     await store.migrate()
-    await pool.execute("CREATE TABLE IF NOT EXISTS docs_adyen_events (psp text, code text)")
-    receiver = WebhookReceiver(store, "adyen", adyen_verifier(HMAC_KEYS), on_item)
-    app = Starlette(routes=[Route("/webhooks/adyen", receiver.handle, methods=["POST"])])
+    await pool.execute(
+        "CREATE TABLE IF NOT EXISTS docs_adyen_events (psp text, code text)"
+    )
+    receiver = WebhookReceiver(
+        store, "adyen", adyen_verifier(HMAC_KEYS), on_item
+    )
+    app = Starlette(
+        routes=[Route("/webhooks/adyen", receiver.handle, methods=["POST"])]
+    )
 
     # a batch of two items as Adyen sends it, the first sent before on its own
     psp = uuid.uuid4().hex[:16].upper()
@@ -52,11 +71,21 @@ async def main() -> None:
         for code in ("AUTHORISATION", "CAPTURE")
     ]
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://hooks") as client:
-        for batch in (adyen_batch(items[0]), adyen_batch(*items), adyen_batch(*items)):
-            response = await client.post("/webhooks/adyen", content=json.dumps(batch))
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://hooks"
+    ) as client:
+        for batch in (
+            adyen_batch(items[0]),
+            adyen_batch(*items),
+            adyen_batch(*items),
+        ):
+            response = await client.post(
+                "/webhooks/adyen", content=json.dumps(batch)
+            )
             assert response.text == "[accepted]", response.text
-    runs = await pool.fetchval("SELECT count(*) FROM docs_adyen_events WHERE psp = $1", psp)
+    runs = await pool.fetchval(
+        "SELECT count(*) FROM docs_adyen_events WHERE psp = $1", psp
+    )
     assert runs == 2  # each item once, however often the batch came
     await pool.close()
 
