@@ -28,8 +28,32 @@ from consumer_idem.operations.reconcile import Reconciler, Resolver
 from consumer_idem.stores.postgres.store import ConnectionPool, PostgresStore
 from consumer_idem.testing.broker import Delivery, MemoryTransport, deliver, deliver_batch
 from consumer_idem.testing.external import ExternalCall
-from consumer_idem.testing.faults import LIBRARY_COMMIT, Fault, FaultyPool, Kind, Point
+from consumer_idem.testing.faults import FaultyPool
+from consumer_idem.testing.scenarios import (
+    BATCH,
+    CLEAN,
+    TOOK_EFFECT_THEN_FAILED,
+    TRANSACTIONAL,
+    TWO_PHASE,
+    Scenario,
+    chosen_scenarios,
+    scenario_names,
+)
 from consumer_idem.types import Executed, NotExecuted, Record, Status
+
+__all__ = [
+    "BATCH",
+    "CLEAN",
+    "TOOK_EFFECT_THEN_FAILED",
+    "TRANSACTIONAL",
+    "TWO_PHASE",
+    "Effect",
+    "MakeMessage",
+    "NotIdempotent",
+    "Report",
+    "assert_idempotent",
+    "scenario_names",
+]
 
 #: ``effect(conn, message)``: what the handler's effect looks like for ``message`` now
 Effect = Callable[[asyncpg.Connection, ConsumerMessage], Awaitable[Any]]
@@ -58,88 +82,6 @@ class Report:
     passed: list[str] = field(default_factory=list)
     #: scenarios whose fault found no place to fire (e.g. no statement of the handler's own)
     not_applicable: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class _Scenario:
-    name: str
-    fault: Fault | None = None
-    #: a fault the kit plays around the handler (see ``_Kit._wrap``)
-    inject: str | None = None
-    crash_before_ack: int = 0
-    #: the attempt the fault hit was rolled back: it must have left no effect at all
-    rolled_back: bool = False
-    concurrent: bool = False
-    #: deliver the same message this many times more, one after the other
-    duplicates: int = 0
-    #: the messages travel together in one batch (batch mode)
-    together: int = 1
-
-
-def _library_commit(kind: Kind) -> Fault:
-    return Fault(Point.COMMIT, kind, match=LIBRARY_COMMIT)
-
-
-#: Transactional mode: everything before the COMMIT must vanish with it.
-TRANSACTIONAL = (
-    _Scenario("duplicate delivery", duplicates=2),
-    _Scenario("concurrent duplicates", concurrent=True),
-    _Scenario("crash before commit", _library_commit(Kind.DROP_BEFORE), rolled_back=True),
-    _Scenario("shutdown before commit", _library_commit(Kind.CANCEL), rolled_back=True),
-    _Scenario("commit rolled back", _library_commit(Kind.ROLLED_BACK), rolled_back=True),
-    _Scenario(
-        "server refuses a handler statement",
-        Fault(Point.HANDLER, Kind.SERVER_ERROR),
-        rolled_back=True,
-    ),
-    _Scenario("commit landed, answer lost", _library_commit(Kind.DROP_AFTER)),
-    _Scenario("crash after commit before ack", crash_before_ack=1),
-    _Scenario("lease lost", inject="session_killed", rolled_back=True),
-)
-#: Batch mode adds what only a batch has.
-BATCH = (
-    *TRANSACTIONAL,
-    _Scenario("duplicate in one batch", together=2),
-    _Scenario(
-        "crash before a batch's commit",
-        _library_commit(Kind.DROP_BEFORE),
-        rolled_back=True,
-        together=2,
-    ),
-)
-#: Two-phase mode: the external call is not rolled back; a lost or ambiguous outcome is
-#: parked ``unknown`` and settled by reconciliation, after which it must have happened once.
-TWO_PHASE = (
-    _Scenario("duplicate delivery", duplicates=2),
-    _Scenario("concurrent duplicates", concurrent=True),
-    _Scenario("crash after claim, before the call", Fault(Point.CLAIM, Kind.DROP_AFTER)),
-    _Scenario("crash before commit", Fault(Point.COMPLETE, Kind.DROP_BEFORE)),
-    _Scenario("commit rolled back", Fault(Point.COMMIT, Kind.ROLLED_BACK)),
-    _Scenario("crash after commit before ack", crash_before_ack=1),
-    _Scenario("lease lost", inject="lease_lost"),
-    _Scenario("ambiguous failure before the call", inject="ambiguous_before"),
-    _Scenario("ambiguous failure after the call", inject="ambiguous_after"),
-)
-
-#: The handler's own call took effect on the far side, then failed on ours (a read timeout):
-#: run for every consumer given ``external=``, and always listed for a two-phase one (not
-#: applicable without ``external=``: its call is the one thing the kit cannot reach otherwise).
-TOOK_EFFECT_THEN_FAILED = _Scenario("the call took effect, then failed", inject="took_effect")
-
-CLEAN = "clean delivery"
-
-
-def scenario_names(consumer: IdempotentConsumer, *, external: bool = False) -> list[str]:
-    """The scenarios :func:`assert_idempotent` runs for ``consumer`` (given ``external=``
-    calls, or not), in order."""
-    return [CLEAN, *(s.name for s in _scenarios_of(consumer, external))]
-
-
-def _scenarios_of(consumer: IdempotentConsumer, external: bool) -> Sequence[_Scenario]:
-    if consumer.mode == "two_phase":
-        return (*TWO_PHASE, TOOK_EFFECT_THEN_FAILED)
-    chosen = BATCH if consumer.batch else TRANSACTIONAL
-    return (*chosen, TOOK_EFFECT_THEN_FAILED) if external else chosen
 
 
 async def assert_idempotent(
@@ -250,7 +192,7 @@ class _Kit:
         self.events: list[str] = self.faulty.log
         #: an owner that can no longer answer (its delivery ended): its lease may run out now
         self.owner_dead = True
-        self.scenario: _Scenario | None = None
+        self.scenario: Scenario | None = None
         self.before: dict[str, Any] = {}
         self.failure: NotIdempotent | None = None
         self.clean: Any = None
@@ -259,13 +201,7 @@ class _Kit:
     # --- the run ----------------------------------------------------------------------------
 
     async def run(self, names: Collection[str] | None) -> Report:
-        chosen = list(_scenarios_of(self.consumer, bool(self.external)))
-        if names is not None:
-            unknown = set(names) - {s.name for s in chosen} - {CLEAN}
-            if unknown:
-                known = scenario_names(self.consumer, external=bool(self.external))
-                raise ValueError(f"no such scenario {sorted(unknown)}: {known}")
-            chosen = [s for s in chosen if s.name in names]
+        chosen = chosen_scenarios(self.consumer, bool(self.external), names)
         report = Report(self.consumer.mode, self.batch, None)
         try:
             self._arm_external(lambda: False)  # counts the calls one clean delivery makes
@@ -285,7 +221,7 @@ class _Kit:
             self.faulty.disarm()
         return report
 
-    async def _run_each_call(self, scenario: _Scenario) -> bool:
+    async def _run_each_call(self, scenario: Scenario) -> bool:
         """Run ``scenario``; "the call took effect, then failed" once per external call one
         clean delivery makes, each run failing the next one (a handler may get its first call
         right and its second wrong). False when its fault found no place to fire."""
@@ -340,7 +276,7 @@ class _Kit:
                 "the handler wrote for this message)",
             )
 
-    async def _run(self, scenario: _Scenario) -> bool:
+    async def _run(self, scenario: Scenario) -> bool:
         """Run one scenario; False when its fault found no place to fire."""
         self.scenario = scenario
         name = scenario.name
@@ -363,7 +299,7 @@ class _Kit:
         return True
 
     async def _messages_of(
-        self, scenario: _Scenario
+        self, scenario: Scenario
     ) -> tuple[list[tuple[ConsumerMessage, str]], list[ConsumerMessage]]:
         """The distinct messages of ``scenario`` with their keys, and the messages it sends
         first (in one batch, a message and its duplicate)."""
@@ -374,7 +310,7 @@ class _Kit:
         return distinct, [first, first.fresh()] if in_one_batch else [m for m, _ in distinct]
 
     async def _play(
-        self, scenario: _Scenario, messages: list[ConsumerMessage], sent: list[ConsumerMessage]
+        self, scenario: Scenario, messages: list[ConsumerMessage], sent: list[ConsumerMessage]
     ) -> list[Delivery]:
         """Deliver ``sent`` with the scenario's fault armed, then its duplicates (or
         ``messages[0]`` from several consumers at once); every delivery, until settled."""
