@@ -27,6 +27,15 @@ from consumer_idem.notice import encode_notice
 from consumer_idem.operations.reconcile import Reconciler, Resolver
 from consumer_idem.stores.postgres.store import ConnectionPool, PostgresStore
 from consumer_idem.testing.broker import Delivery, MemoryTransport, deliver, deliver_batch
+from consumer_idem.testing.expectations import (
+    Effect,
+    MakeMessage,
+    NotIdempotent,
+    expect_settled,
+    fired,
+    story,
+    unique,
+)
 from consumer_idem.testing.external import ExternalCall
 from consumer_idem.testing.faults import FaultyPool
 from consumer_idem.testing.scenarios import (
@@ -54,20 +63,6 @@ __all__ = [
     "assert_idempotent",
     "scenario_names",
 ]
-
-#: ``effect(conn, message)``: what the handler's effect looks like for ``message`` now
-Effect = Callable[[asyncpg.Connection, ConsumerMessage], Awaitable[Any]]
-#: ``make_message()``: a fresh message, with a new idempotency key on every call
-MakeMessage = Callable[[], ConsumerMessage]
-
-
-class NotIdempotent(AssertionError):
-    """The effect of a delivery under ``scenario`` differs from one clean delivery."""
-
-    def __init__(self, scenario: str, detail: str) -> None:
-        super().__init__(f"scenario {scenario!r}: {detail}")
-        self.scenario = scenario
-        self.detail = detail
 
 
 @dataclass
@@ -264,7 +259,7 @@ class _Kit:
             raise NotIdempotent(
                 CLEAN,
                 "one delivery on a healthy database must execute the message once and ack it, "
-                f"but: {_story(delivery, record)}",
+                f"but: {story(delivery, record)}",
             )
         await self._expect_completed(CLEAN, key, delivery)
         self.clean = await self._effect(message)
@@ -287,7 +282,7 @@ class _Kit:
             raise self.failure
         if (scenario.fault is not None or scenario.inject is not None) and not self.events:
             return False
-        _expect_settled(name, deliveries)
+        expect_settled(name, deliveries)
         for message, key in distinct:
             await self._reconcile(name, message, key)
             if self.failure is not None:  # a redelivery after "not executed" may set it
@@ -342,7 +337,7 @@ class _Kit:
         for message, delivery in zip(messages, again, strict=True):
             if delivery.final is None or not delivery.final.duplicate:
                 raise NotIdempotent(
-                    name, f"a later duplicate was not replayed: {_story(delivery, None)}"
+                    name, f"a later duplicate was not replayed: {story(delivery, None)}"
                 )
             await self._expect_clean(name, message, "after a later duplicate")
 
@@ -412,7 +407,7 @@ class _Kit:
             return
         if self.failure is not None:
             return
-        for message in _unique(messages):
+        for message in unique(messages):
             key = self._key(scenario.name, message)
             now = await self._effect(message)
             if now != self.before[key]:
@@ -577,7 +572,7 @@ class _Kit:
             for copy in copies:
                 await self._deliver([copy])
         record = await self.plain.get(self.scope, key)
-        raise NotIdempotent(name, f"still unknown after reconciliation: {_story(None, record)}")
+        raise NotIdempotent(name, f"still unknown after reconciliation: {story(None, record)}")
 
     def _truth(self, message: ConsumerMessage, key: str) -> Resolver:
         async def resolve(record: Record) -> Executed | NotExecuted:
@@ -595,7 +590,7 @@ class _Kit:
             raise NotIdempotent(
                 name,
                 f"the record is {record.status if record else 'missing'} where one clean "
-                f"delivery leaves it completed: {_story(delivery, record)}",
+                f"delivery leaves it completed: {story(delivery, record)}",
             )
 
     async def _expect_clean(self, name: str, message: ConsumerMessage, when: str) -> None:
@@ -604,7 +599,7 @@ class _Kit:
             raise NotIdempotent(
                 name,
                 f"{when}, the effect is {now!r}; one clean delivery gives {self.clean!r}"
-                f"{_fired(self.events)}{self._external_hint()}",
+                f"{fired(self.events)}{self._external_hint()}",
             )
 
     def _external_hint(self) -> str:
@@ -657,47 +652,3 @@ class _Kit:
         async with self.pool.acquire() as conn:
             value = self.effect(cast(asyncpg.Connection, conn), message)
             return await value if inspect.isawaitable(value) else value
-
-
-def _expect_settled(name: str, deliveries: list[Delivery]) -> None:
-    """Every delivery of scenario ``name`` settled, none dead-lettered."""
-    for delivery in deliveries:
-        if not delivery.acked:
-            raise NotIdempotent(name, f"never settled: {_story(delivery, None)}")
-        if delivery.dead_letter_reason is not None:
-            raise NotIdempotent(
-                name,
-                f"dead-lettered ({delivery.dead_letter_reason}), where one clean delivery "
-                f"executes it: {_story(delivery, None)}",
-            )
-
-
-def _unique(messages: Sequence[ConsumerMessage]) -> list[ConsumerMessage]:
-    """The distinct messages of a run (a duplicate inside a batch is the same message)."""
-    seen: list[ConsumerMessage] = []
-    for message in messages:
-        if not any(message.body == m.body and message.headers == m.headers for m in seen):
-            seen.append(message)
-    return seen
-
-
-def _fired(events: list[str]) -> str:
-    return f" (faults: {', '.join(events)})" if events else ""
-
-
-def _story(delivery: Delivery | None, record: Record | None) -> str:
-    parts = []
-    if delivery is not None:
-        verdicts = ", ".join(
-            f"{v.action}{' duplicate' if v.duplicate else ''}{f' ({v.reason})' if v.reason else ''}"
-            for v in delivery.verdicts
-        )
-        parts.append(
-            f"{delivery.deliveries} deliveries, {delivery.crashes} crashed, verdicts [{verdicts}]"
-        )
-    if record is not None:
-        parts.append(
-            f"record {record.status}"
-            + (f", last error {record.last_error!r}" if record.last_error else "")
-        )
-    return "; ".join(parts) or "nothing recorded"
