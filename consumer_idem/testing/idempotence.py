@@ -13,31 +13,29 @@ handler's own call to another service take effect and then fail (:class:`Externa
 from __future__ import annotations
 
 import asyncio
-import inspect
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
-
-import asyncpg
+from typing import Any
 
 from consumer_idem.consumer import Action, IdempotentConsumer, Verdict
-from consumer_idem.errors import Ambiguous
 from consumer_idem.message import ConsumerMessage
-from consumer_idem.notice import encode_notice
-from consumer_idem.operations.reconcile import Reconciler, Resolver
+from consumer_idem.operations.reconcile import Resolver
 from consumer_idem.stores.postgres.store import ConnectionPool, PostgresStore
 from consumer_idem.testing.broker import Delivery, MemoryTransport, deliver, deliver_batch
 from consumer_idem.testing.expectations import (
     Effect,
+    Expectations,
+    Findings,
     MakeMessage,
     NotIdempotent,
     expect_settled,
-    fired,
     story,
-    unique,
 )
 from consumer_idem.testing.external import ExternalCall
+from consumer_idem.testing.external_faults import ExternalFaults
 from consumer_idem.testing.faults import FaultyPool
+from consumer_idem.testing.handler_faults import HandlerFaults
+from consumer_idem.testing.reconciling import reconcile
 from consumer_idem.testing.scenarios import (
     BATCH,
     CLEAN,
@@ -48,7 +46,6 @@ from consumer_idem.testing.scenarios import (
     chosen_scenarios,
     scenario_names,
 )
-from consumer_idem.types import Executed, NotExecuted, Record, Status
 
 __all__ = [
     "BATCH",
@@ -159,39 +156,39 @@ class _Kit:
 
         self.store = store_on(self.faulty)  # the one the consumer under test runs on
         self.plain = store_on(self.pool)  # the kit's own reads, the reconciler
-        self.two_phase = consumer.mode == "two_phase"
         self.batch = consumer.batch
-        self.scope = consumer.scope
-        # short retry delays: the faults are one-off blips; nothing else changes
-        options = replace(consumer.options, backoff=(0.01, 0.05))
-        self.consumer = IdempotentConsumer(
-            self._wrap(consumer.handler), store=self.store, options=options
-        )
-        self.make_message = make_message
-        self.effect = effect
         self.resolver = resolver
         self.concurrency = concurrency
         self.external = external
-        #: external calls one clean delivery made, and which one fails in this run (1-based)
-        self.clean_calls = 0
-        self.calls_made = 0
-        self.fail_call = 1
-        #: this scenario run's external call took effect and failed (later runs are watched)
-        self.fired_external = False
-        #: what the handler made of its call's failure after it took effect (the exception it
-        #: raised, or "returned normally"), for the message of a scenario that then fails
-        self.after_external: str | None = None
-        #: the kit's own fault armed for the next handler call
-        self.inject: str | None = None
         #: faults and injections fired, in order (the fault layer logs into it too)
         self.events: list[str] = self.faulty.log
-        #: an owner that can no longer answer (its delivery ended): its lease may run out now
-        self.owner_dead = True
-        self.scenario: Scenario | None = None
-        self.before: dict[str, Any] = {}
-        self.failure: NotIdempotent | None = None
-        self.clean: Any = None
-        #: keys reconciliation resolved "executed"
+        self.calls = ExternalFaults(external, self.events)
+        self.findings = Findings()
+        #: the faults the kit plays around the handler
+        self.around = HandlerFaults(
+            self.pool,
+            self.store.table,
+            self.plain,
+            consumer.scope,
+            self.events,
+            self.calls,
+            self.findings,
+        )
+        # short retry delays: the faults are one-off blips; nothing else changes
+        options = replace(consumer.options, backoff=(0.01, 0.05))
+        self.consumer = IdempotentConsumer(
+            self.around.wrap(consumer.handler), store=self.store, options=options
+        )
+        self.expect = Expectations(
+            self.consumer,
+            self.pool,
+            self.plain,
+            make_message,
+            effect,
+            self.events,
+            self.calls,
+            self.findings,
+        )
 
     # --- the run ----------------------------------------------------------------------------
 
@@ -199,13 +196,13 @@ class _Kit:
         chosen = chosen_scenarios(self.consumer, bool(self.external), names)
         report = Report(self.consumer.mode, self.batch, None)
         try:
-            self._arm_external(lambda: False)  # counts the calls one clean delivery makes
+            self.calls.arm(lambda: False)  # counts the calls one clean delivery makes
             try:
                 await self._clean_delivery()
-                self.clean_calls = self.calls_made
+                self.calls.clean_calls = self.calls.calls_made
             finally:
-                self._disarm_external()
-            report.clean_effect = self.clean
+                self.calls.disarm()
+            report.clean_effect = self.expect.clean
             report.passed.append(CLEAN)
             for scenario in chosen:
                 if await self._run_each_call(scenario):
@@ -223,28 +220,14 @@ class _Kit:
         if scenario.inject != "took_effect":
             return await self._run(scenario)
         fired = False
-        for nth in range(1, max(self.clean_calls, 1) + 1):
-            self.fail_call = nth
+        for nth in range(1, max(self.calls.clean_calls, 1) + 1):
+            self.calls.fail_call = nth
             fired = await self._run(scenario) or fired
         return fired
 
-    def _arm_external(self, fails: Callable[[], bool]) -> None:
-        self.calls_made = 0
-
-        def counted() -> bool:
-            self.calls_made += 1
-            return fails()
-
-        for call in self.external:
-            call.arm(counted)
-
-    def _disarm_external(self) -> None:
-        for call in self.external:
-            call.disarm()
-
     async def _clean_delivery(self) -> None:
-        message, key = await self._fresh(CLEAN)
-        before = self.before[key]
+        message, key = await self.expect.fresh(CLEAN)
+        before = self.expect.before[key]
         (delivery,) = await self._deliver([message])
         final = delivery.final
         if (
@@ -255,15 +238,15 @@ class _Kit:
             or final.duplicate
             or final.reason == "unknown"
         ):
-            record = await self.plain.get(self.scope, key)
+            record = await self.plain.get(self.consumer.scope, key)
             raise NotIdempotent(
                 CLEAN,
                 "one delivery on a healthy database must execute the message once and ack it, "
                 f"but: {story(delivery, record)}",
             )
-        await self._expect_completed(CLEAN, key, delivery)
-        self.clean = await self._effect(message)
-        if self.clean == before:
+        await self.expect.completed(CLEAN, key, delivery)
+        self.expect.clean = await self.expect.effect_of(message)
+        if self.expect.clean == before:
             raise NotIdempotent(
                 CLEAN,
                 f"effect() gives {before!r} before and after a clean delivery: it does not see "
@@ -273,22 +256,26 @@ class _Kit:
 
     async def _run(self, scenario: Scenario) -> bool:
         """Run one scenario; False when its fault found no place to fire."""
-        self.scenario = scenario
         name = scenario.name
         distinct, sent = await self._messages_of(scenario)
         messages = [m for m, _ in distinct]
         deliveries = await self._play(scenario, messages, sent)
-        if self.failure is not None:
-            raise self.failure
+        self.findings.raise_noted()
         if (scenario.fault is not None or scenario.inject is not None) and not self.events:
             return False
         expect_settled(name, deliveries)
         for message, key in distinct:
-            await self._reconcile(name, message, key)
-            if self.failure is not None:  # a redelivery after "not executed" may set it
-                raise self.failure
-            await self._expect_completed(name, key, None)
-            await self._expect_clean(name, message, "after redelivery")
+            await reconcile(
+                name,
+                message,
+                key,
+                expect=self.expect,
+                resolver=self.resolver,
+                redeliver=self._deliver,
+            )
+            self.findings.raise_noted()  # a redelivery after "not executed" may note one
+            await self.expect.completed(name, key, None)
+            await self.expect.as_clean(name, message, "after redelivery")
         # and one more duplicate changes nothing
         await self._expect_replayed(name, messages)
         return True
@@ -300,7 +287,7 @@ class _Kit:
         first (in one batch, a message and its duplicate)."""
         in_one_batch = scenario.name == "duplicate in one batch"
         count = 1 if in_one_batch else scenario.together
-        distinct = [await self._fresh(scenario.name) for _ in range(count)]
+        distinct = [await self.expect.fresh(scenario.name) for _ in range(count)]
         first = distinct[0][0]
         return distinct, [first, first.fresh()] if in_one_batch else [m for m, _ in distinct]
 
@@ -310,10 +297,7 @@ class _Kit:
         """Deliver ``sent`` with the scenario's fault armed, then its duplicates (or
         ``messages[0]`` from several consumers at once); every delivery, until settled."""
         self.events.clear()
-        self.after_external = None
-        self.fired_external = False
-        self.inject = scenario.inject
-        self.owner_dead = not scenario.concurrent
+        self.around.arm(scenario)
         if scenario.fault is not None:
             self.faulty.arm(scenario.fault)
         try:
@@ -328,8 +312,7 @@ class _Kit:
             return deliveries
         finally:
             self.faulty.disarm()
-            self.inject = None
-            self.owner_dead = True
+            self.around.disarm()
 
     async def _expect_replayed(self, name: str, messages: list[ConsumerMessage]) -> None:
         """One more duplicate of each of ``messages`` is replayed and changes nothing."""
@@ -339,7 +322,7 @@ class _Kit:
                 raise NotIdempotent(
                     name, f"a later duplicate was not replayed: {story(delivery, None)}"
                 )
-            await self._expect_clean(name, message, "after a later duplicate")
+            await self.expect.as_clean(name, message, "after a later duplicate")
 
     # --- delivering -------------------------------------------------------------------------
 
@@ -383,272 +366,22 @@ class _Kit:
             task = asyncio.current_task()
             if task is not None and self.events[fired:] and task.cancelling():
                 task.uncancel()  # the kit's own cancellation, not the test's
-            await self._check_rolled_back(messages, fired)
+            await self.expect.rolled_back(self.around.scenario, messages, fired)
             raise
         except Exception:
-            await self._check_rolled_back(messages, fired)
+            await self.expect.rolled_back(self.around.scenario, messages, fired)
             raise
         # a message this attempt settled (batch mode falls back to one by one within the same
         # call, and that may execute it) shows its effect rightly
         unsettled = [
             m for m, v in zip(messages, verdicts, strict=False) if v.action is not Action.ACK
         ]
-        await self._check_rolled_back(unsettled + messages[len(verdicts) :], fired)
+        await self.expect.rolled_back(
+            self.around.scenario, unsettled + messages[len(verdicts) :], fired
+        )
         for verdict in verdicts:
             held = verdict.action is Action.RETRY and verdict.reason == "in_progress"
-            if held and self.owner_dead and verdict.key is not None:
+            if held and self.around.owner_dead and verdict.key is not None:
                 # the owner's delivery ended: its lease runs out (now, not in 30 s)
-                await self._expire_lease(verdict.key)
+                await self.around.expire_lease(verdict.key)
         return verdicts
-
-    async def _check_rolled_back(self, messages: list[ConsumerMessage], fired: int) -> None:
-        scenario = self.scenario
-        if scenario is None or not scenario.rolled_back or len(self.events) == fired:
-            return
-        if self.failure is not None:
-            return
-        for message in unique(messages):
-            key = self._key(scenario.name, message)
-            now = await self._effect(message)
-            if now != self.before[key]:
-                self.failure = NotIdempotent(
-                    scenario.name,
-                    f"the attempt was rolled back ({', '.join(self.events[fired:])}), yet the "
-                    f"effect is {now!r} where it was {self.before[key]!r} before the delivery: "
-                    "part of the handler's effect is not in the idempotency transaction (a "
-                    "write through another connection or pool, a call to another service, or "
-                    "a COMMIT of the handler's own), and the redelivery will do it again",
-                )
-                return
-
-    # --- the faults the kit plays around the handler ---------------------------------------
-
-    def _wrap(self, handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-        kit = self
-
-        async def under_test(work: Any, context: Any) -> Any:
-            inject, kit.inject = kit.inject, None
-            if inject == "ambiguous_before":
-                kit.events.append("ambiguous failure before the call")
-                raise Ambiguous("injected: the request may have left (a connect timeout)")
-            if inject == "took_effect":
-                return await kit._took_effect(handler, work, context)
-            if kit.fired_external:
-                return await kit._after_took_effect(handler, work, context)
-            result = await handler(work, context)
-            if inject == "ambiguous_after":
-                kit.events.append("ambiguous failure after the call")
-                raise Ambiguous("injected: the call was made, its answer was lost")
-            if inject == "lease_lost":
-                kit.events.append("lease lost during the call")
-                await kit._expire_lease(context.key)
-                await kit.plain.maintenance.sweep()  # the sweeper parks it as unknown
-            if inject == "session_killed":
-                kit.events.append("the server ended the unit's session")
-                await kit._terminate(context)
-            return result
-
-        under_test.__name__ = getattr(handler, "__name__", "handler")
-        under_test.__doc__ = handler.__doc__
-        return under_test
-
-    async def _took_effect(
-        self, handler: Callable[..., Awaitable[Any]], work: Any, context: Any
-    ) -> Any:
-        """Run the handler with its external calls armed: its ``fail_call``-th call takes
-        effect, then raises (only that one). Note what the handler made of it."""
-        self._arm_external(lambda: self.calls_made == self.fail_call)
-        fired = [len(call.raised) for call in self.external]
-
-        def took_effect() -> bool:
-            return any(len(c.raised) > n for c, n in zip(self.external, fired, strict=True))
-
-        try:
-            result = await handler(work, context)
-        except BaseException as exc:
-            if took_effect():
-                self.after_external = f"raised {type(exc).__name__}({exc})"
-            raise
-        finally:
-            self._disarm_external()
-            if took_effect():
-                self.fired_external = True
-                failure = next(
-                    c.raised[-1]
-                    for c, n in zip(self.external, fired, strict=True)
-                    if len(c.raised) > n
-                )
-                nth = self.fail_call, self.clean_calls
-                self.events.append(
-                    f"the call took effect, then raised {type(failure).__name__}"
-                    + ("" if nth[1] <= 1 else f" (call {nth[0]} of the {nth[1]} a delivery makes)")
-                )
-        self.after_external = "returned normally"
-        return result
-
-    async def _after_took_effect(
-        self, handler: Callable[..., Awaitable[Any]], work: Any, context: Any
-    ) -> Any:
-        """The handler runs again after its call took effect and failed: it said the work was
-        not done (``Retryable``), so it must make its call again, for the far side to answer
-        it (a gateway deduping by ``attempt.downstream_key``). Answering without any call
-        means it remembered the first one where the kit cannot see: process memory, which a
-        redelivery to another instance (a restart, a rebalance) does not have, and the call is
-        made twice there."""
-        self._arm_external(lambda: False)
-        try:
-            result = await handler(work, context)
-        finally:
-            self._disarm_external()
-        if self.calls_made == 0 and self.clean_calls > 0 and self.failure is None:
-            assert self.scenario is not None
-            self.failure = NotIdempotent(
-                self.scenario.name,
-                f"the external call took effect and then failed; the handler "
-                f"{self.after_external}, and when the message was delivered again it returned "
-                f"without making any of the {self.clean_calls} call(s) one clean delivery makes: "
-                "it remembered the first attempt where the kit cannot see (process memory?). A "
-                "redelivery to another instance (a restart, a rebalance) makes the call again "
-                "(if it asked the far side, wrap that call in an ExternalCall too). "
-                "An error after a call may have taken effect is Ambiguous (the key is parked "
-                "unknown and reconciled), never Retryable, unless the far side dedupes it by "
-                "attempt.downstream_key",
-            )
-        return result
-
-    async def _expire_lease(self, key: str) -> None:
-        async with self.pool.acquire(timeout=10) as conn:
-            await conn.execute(
-                f"UPDATE {self.store.table} SET locked_until = now() - interval '1 second'"
-                # the token says in progress (see migration 8): no partial index is implied
-                " WHERE scope = $1 AND key = $2 AND owner_token IS NOT NULL",
-                self.scope,
-                key,
-            )
-
-    async def _terminate(self, conn: Any) -> None:
-        """End the unit's session from the server side, as an operator, a statement timeout or a
-        failover does, and wait until its backend is gone (its transaction rolled back)."""
-        pid = conn.get_server_pid()
-        async with self.pool.acquire(timeout=10) as admin:
-            await admin.execute("SELECT pg_terminate_backend($1)", pid)
-            for _ in range(500):
-                if not await admin.fetchval(
-                    "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)", pid
-                ):
-                    return
-                await asyncio.sleep(0.01)
-
-    # --- reconciliation ---------------------------------------------------------------------
-
-    async def _reconcile(self, name: str, message: ConsumerMessage, key: str) -> None:
-        """Settle a record left ``unknown`` as the reconciler would; a "not executed" answer
-        re-sends the original, which is delivered again."""
-        for _ in range(3):
-            record = await self.plain.get(self.scope, key)
-            if record is None or record.status is not Status.UNKNOWN:
-                return
-            transport = MemoryTransport(self.plain)
-            writes = self.consumer.local_writes
-            reconciler = Reconciler(
-                self.plain,
-                self.resolver or self._truth(message, key),
-                backoff=(0.01, 0.05),
-                redispatch_grace=0.0,
-                # as an operator's reconciler must: "executed" commits the local rows too
-                local_writes=None if writes is None else {self.scope: writes},
-            )
-            reconciler.attach(transport)
-            notice = ConsumerMessage(encode_notice(self.scope, key, record.last_error))
-            await deliver(reconciler.process, notice, transport=transport)
-            copies = [
-                ConsumerMessage(n.body, dict(n.headers))
-                for n in transport.redispatched
-                if n.body is not None
-            ]
-            record = await self.plain.get(self.scope, key)
-            if record is not None and record.status is Status.FAILED_RETRYABLE and not copies:
-                copies = [message.fresh()]  # nothing kept to re-send: the broker redelivers it
-            for copy in copies:
-                await self._deliver([copy])
-        record = await self.plain.get(self.scope, key)
-        raise NotIdempotent(name, f"still unknown after reconciliation: {story(None, record)}")
-
-    def _truth(self, message: ConsumerMessage, key: str) -> Resolver:
-        async def resolve(record: Record) -> Executed | NotExecuted:
-            if await self._effect(message) == self.before[key]:
-                return NotExecuted("assert_idempotent: effect() shows no effect")
-            return Executed(None)
-
-        return resolve
-
-    # --- checks -----------------------------------------------------------------------------
-
-    async def _expect_completed(self, name: str, key: str, delivery: Delivery | None) -> None:
-        record = await self.plain.get(self.scope, key)
-        if record is None or record.status is not Status.COMPLETED:
-            raise NotIdempotent(
-                name,
-                f"the record is {record.status if record else 'missing'} where one clean "
-                f"delivery leaves it completed: {story(delivery, record)}",
-            )
-
-    async def _expect_clean(self, name: str, message: ConsumerMessage, when: str) -> None:
-        now = await self._effect(message)
-        if now != self.clean:
-            raise NotIdempotent(
-                name,
-                f"{when}, the effect is {now!r}; one clean delivery gives {self.clean!r}"
-                f"{fired(self.events)}{self._external_hint()}",
-            )
-
-    def _external_hint(self) -> str:
-        """Why a handler fails "the call took effect, then failed", in its own terms."""
-        if self.after_external is None:
-            return ""
-        told = (
-            f". The external call took effect and then failed; the handler "
-            f"{self.after_external}, and the call was made again"
-        )
-        if not self.two_phase:
-            return (
-                f"{told}: a transactional handler's call to another service is not rolled back "
-                "with its unit (make it a two-phase handler)"
-            )
-        return (
-            f"{told}. An error after a call may have taken effect is Ambiguous (the key is "
-            "parked unknown and reconciled), never Retryable, unless the far side dedupes it "
-            "by attempt.downstream_key"
-        )
-
-    # --- helpers ----------------------------------------------------------------------------
-
-    async def _fresh(self, name: str) -> tuple[ConsumerMessage, str]:
-        """A new message from ``make_message()``, its key, and its effect before delivery."""
-        message = self.make_message()
-        if inspect.isawaitable(message):
-            message = await message
-        if not isinstance(message, ConsumerMessage):
-            raise TypeError(
-                f"make_message() returned {type(message).__name__}, not a ConsumerMessage"
-            )
-        key = self._key(name, message)
-        if key in self.before:
-            raise ValueError(f"make_message() returned the key {key!r} twice: make a new one")
-        self.before[key] = await self._effect(message)
-        return message, key
-
-    def _key(self, name: str, message: ConsumerMessage) -> str:
-        prepared = self.consumer.prepare(message)
-        if isinstance(prepared, Verdict):
-            raise NotIdempotent(
-                name,
-                f"the message is dead-lettered before the handler runs ({prepared.reason}): "
-                "make_message() must make a message the consumer accepts",
-            )
-        return prepared[0]
-
-    async def _effect(self, message: ConsumerMessage) -> Any:
-        async with self.pool.acquire() as conn:
-            value = self.effect(cast(asyncpg.Connection, conn), message)
-            return await value if inspect.isawaitable(value) else value

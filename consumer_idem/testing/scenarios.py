@@ -18,7 +18,7 @@ from consumer_idem.testing.faults import LIBRARY_COMMIT, Fault, Kind, Point
 class Scenario:
     name: str
     fault: Fault | None = None
-    #: a fault the kit plays around the handler (see ``_Kit._wrap``)
+    #: a fault the kit plays around the handler (see ``HandlerFaults.wrap``)
     inject: str | None = None
     crash_before_ack: int = 0
     #: the attempt the fault hit was rolled back: it must have left no effect at all
