@@ -13,37 +13,53 @@ handler's own call to another service take effect and then fail (:class:`Externa
 from __future__ import annotations
 
 import asyncio
-import inspect
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
-
-import asyncpg
+from typing import Any
 
 from consumer_idem.consumer import Action, IdempotentConsumer, Verdict
-from consumer_idem.errors import Ambiguous
 from consumer_idem.message import ConsumerMessage
-from consumer_idem.notice import encode_notice
-from consumer_idem.operations.reconcile import Reconciler, Resolver
+from consumer_idem.operations.reconcile import Resolver
 from consumer_idem.stores.postgres.store import ConnectionPool, PostgresStore
 from consumer_idem.testing.broker import Delivery, MemoryTransport, deliver, deliver_batch
+from consumer_idem.testing.expectations import (
+    Effect,
+    Expectations,
+    Findings,
+    MakeMessage,
+    NotIdempotent,
+    expect_settled,
+    story,
+)
 from consumer_idem.testing.external import ExternalCall
-from consumer_idem.testing.faults import LIBRARY_COMMIT, Fault, FaultyPool, Kind, Point
-from consumer_idem.types import Executed, NotExecuted, Record, Status
+from consumer_idem.testing.external_faults import ExternalFaults
+from consumer_idem.testing.faults import FaultyPool
+from consumer_idem.testing.handler_faults import HandlerFaults
+from consumer_idem.testing.reconciling import reconcile
+from consumer_idem.testing.scenarios import (
+    BATCH,
+    CLEAN,
+    TOOK_EFFECT_THEN_FAILED,
+    TRANSACTIONAL,
+    TWO_PHASE,
+    Scenario,
+    chosen_scenarios,
+    scenario_names,
+)
 
-#: ``effect(conn, message)``: what the handler's effect looks like for ``message`` now
-Effect = Callable[[asyncpg.Connection, ConsumerMessage], Awaitable[Any]]
-#: ``make_message()``: a fresh message, with a new idempotency key on every call
-MakeMessage = Callable[[], ConsumerMessage]
-
-
-class NotIdempotent(AssertionError):
-    """The effect of a delivery under ``scenario`` differs from one clean delivery."""
-
-    def __init__(self, scenario: str, detail: str) -> None:
-        super().__init__(f"scenario {scenario!r}: {detail}")
-        self.scenario = scenario
-        self.detail = detail
+__all__ = [
+    "BATCH",
+    "CLEAN",
+    "TOOK_EFFECT_THEN_FAILED",
+    "TRANSACTIONAL",
+    "TWO_PHASE",
+    "Effect",
+    "MakeMessage",
+    "NotIdempotent",
+    "Report",
+    "assert_idempotent",
+    "scenario_names",
+]
 
 
 @dataclass
@@ -58,88 +74,6 @@ class Report:
     passed: list[str] = field(default_factory=list)
     #: scenarios whose fault found no place to fire (e.g. no statement of the handler's own)
     not_applicable: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class _Scenario:
-    name: str
-    fault: Fault | None = None
-    #: a fault the kit plays around the handler (see ``_Kit._wrap``)
-    inject: str | None = None
-    crash_before_ack: int = 0
-    #: the attempt the fault hit was rolled back: it must have left no effect at all
-    rolled_back: bool = False
-    concurrent: bool = False
-    #: deliver the same message this many times more, one after the other
-    duplicates: int = 0
-    #: the messages travel together in one batch (batch mode)
-    together: int = 1
-
-
-def _library_commit(kind: Kind) -> Fault:
-    return Fault(Point.COMMIT, kind, match=LIBRARY_COMMIT)
-
-
-#: Transactional mode: everything before the COMMIT must vanish with it.
-TRANSACTIONAL = (
-    _Scenario("duplicate delivery", duplicates=2),
-    _Scenario("concurrent duplicates", concurrent=True),
-    _Scenario("crash before commit", _library_commit(Kind.DROP_BEFORE), rolled_back=True),
-    _Scenario("shutdown before commit", _library_commit(Kind.CANCEL), rolled_back=True),
-    _Scenario("commit rolled back", _library_commit(Kind.ROLLED_BACK), rolled_back=True),
-    _Scenario(
-        "server refuses a handler statement",
-        Fault(Point.HANDLER, Kind.SERVER_ERROR),
-        rolled_back=True,
-    ),
-    _Scenario("commit landed, answer lost", _library_commit(Kind.DROP_AFTER)),
-    _Scenario("crash after commit before ack", crash_before_ack=1),
-    _Scenario("lease lost", inject="session_killed", rolled_back=True),
-)
-#: Batch mode adds what only a batch has.
-BATCH = (
-    *TRANSACTIONAL,
-    _Scenario("duplicate in one batch", together=2),
-    _Scenario(
-        "crash before a batch's commit",
-        _library_commit(Kind.DROP_BEFORE),
-        rolled_back=True,
-        together=2,
-    ),
-)
-#: Two-phase mode: the external call is not rolled back; a lost or ambiguous outcome is
-#: parked ``unknown`` and settled by reconciliation, after which it must have happened once.
-TWO_PHASE = (
-    _Scenario("duplicate delivery", duplicates=2),
-    _Scenario("concurrent duplicates", concurrent=True),
-    _Scenario("crash after claim, before the call", Fault(Point.CLAIM, Kind.DROP_AFTER)),
-    _Scenario("crash before commit", Fault(Point.COMPLETE, Kind.DROP_BEFORE)),
-    _Scenario("commit rolled back", Fault(Point.COMMIT, Kind.ROLLED_BACK)),
-    _Scenario("crash after commit before ack", crash_before_ack=1),
-    _Scenario("lease lost", inject="lease_lost"),
-    _Scenario("ambiguous failure before the call", inject="ambiguous_before"),
-    _Scenario("ambiguous failure after the call", inject="ambiguous_after"),
-)
-
-#: The handler's own call took effect on the far side, then failed on ours (a read timeout):
-#: run for every consumer given ``external=``, and always listed for a two-phase one (not
-#: applicable without ``external=``: its call is the one thing the kit cannot reach otherwise).
-TOOK_EFFECT_THEN_FAILED = _Scenario("the call took effect, then failed", inject="took_effect")
-
-CLEAN = "clean delivery"
-
-
-def scenario_names(consumer: IdempotentConsumer, *, external: bool = False) -> list[str]:
-    """The scenarios :func:`assert_idempotent` runs for ``consumer`` (given ``external=``
-    calls, or not), in order."""
-    return [CLEAN, *(s.name for s in _scenarios_of(consumer, external))]
-
-
-def _scenarios_of(consumer: IdempotentConsumer, external: bool) -> Sequence[_Scenario]:
-    if consumer.mode == "two_phase":
-        return (*TWO_PHASE, TOOK_EFFECT_THEN_FAILED)
-    chosen = BATCH if consumer.batch else TRANSACTIONAL
-    return (*chosen, TOOK_EFFECT_THEN_FAILED) if external else chosen
 
 
 async def assert_idempotent(
@@ -222,59 +156,53 @@ class _Kit:
 
         self.store = store_on(self.faulty)  # the one the consumer under test runs on
         self.plain = store_on(self.pool)  # the kit's own reads, the reconciler
-        self.two_phase = consumer.mode == "two_phase"
         self.batch = consumer.batch
-        self.scope = consumer.scope
-        # short retry delays: the faults are one-off blips; nothing else changes
-        options = replace(consumer.options, backoff=(0.01, 0.05))
-        self.consumer = IdempotentConsumer(
-            self._wrap(consumer.handler), store=self.store, options=options
-        )
-        self.make_message = make_message
-        self.effect = effect
         self.resolver = resolver
         self.concurrency = concurrency
         self.external = external
-        #: external calls one clean delivery made, and which one fails in this run (1-based)
-        self.clean_calls = 0
-        self.calls_made = 0
-        self.fail_call = 1
-        #: this scenario run's external call took effect and failed (later runs are watched)
-        self.fired_external = False
-        #: what the handler made of its call's failure after it took effect (the exception it
-        #: raised, or "returned normally"), for the message of a scenario that then fails
-        self.after_external: str | None = None
-        #: the kit's own fault armed for the next handler call
-        self.inject: str | None = None
         #: faults and injections fired, in order (the fault layer logs into it too)
         self.events: list[str] = self.faulty.log
-        #: an owner that can no longer answer (its delivery ended): its lease may run out now
-        self.owner_dead = True
-        self.scenario: _Scenario | None = None
-        self.before: dict[str, Any] = {}
-        self.failure: NotIdempotent | None = None
-        self.clean: Any = None
-        #: keys reconciliation resolved "executed"
+        self.calls = ExternalFaults(external, self.events)
+        self.findings = Findings()
+        #: the faults the kit plays around the handler
+        self.around = HandlerFaults(
+            self.pool,
+            self.store.table,
+            self.plain,
+            consumer.scope,
+            self.events,
+            self.calls,
+            self.findings,
+        )
+        # short retry delays: the faults are one-off blips; nothing else changes
+        options = replace(consumer.options, backoff=(0.01, 0.05))
+        self.consumer = IdempotentConsumer(
+            self.around.wrap(consumer.handler), store=self.store, options=options
+        )
+        self.expect = Expectations(
+            self.consumer,
+            self.pool,
+            self.plain,
+            make_message,
+            effect,
+            self.events,
+            self.calls,
+            self.findings,
+        )
 
     # --- the run ----------------------------------------------------------------------------
 
     async def run(self, names: Collection[str] | None) -> Report:
-        chosen = list(_scenarios_of(self.consumer, bool(self.external)))
-        if names is not None:
-            unknown = set(names) - {s.name for s in chosen} - {CLEAN}
-            if unknown:
-                known = scenario_names(self.consumer, external=bool(self.external))
-                raise ValueError(f"no such scenario {sorted(unknown)}: {known}")
-            chosen = [s for s in chosen if s.name in names]
+        chosen = chosen_scenarios(self.consumer, bool(self.external), names)
         report = Report(self.consumer.mode, self.batch, None)
         try:
-            self._arm_external(lambda: False)  # counts the calls one clean delivery makes
+            self.calls.arm(lambda: False)  # counts the calls one clean delivery makes
             try:
                 await self._clean_delivery()
-                self.clean_calls = self.calls_made
+                self.calls.clean_calls = self.calls.calls_made
             finally:
-                self._disarm_external()
-            report.clean_effect = self.clean
+                self.calls.disarm()
+            report.clean_effect = self.expect.clean
             report.passed.append(CLEAN)
             for scenario in chosen:
                 if await self._run_each_call(scenario):
@@ -285,35 +213,21 @@ class _Kit:
             self.faulty.disarm()
         return report
 
-    async def _run_each_call(self, scenario: _Scenario) -> bool:
+    async def _run_each_call(self, scenario: Scenario) -> bool:
         """Run ``scenario``; "the call took effect, then failed" once per external call one
         clean delivery makes, each run failing the next one (a handler may get its first call
         right and its second wrong). False when its fault found no place to fire."""
         if scenario.inject != "took_effect":
             return await self._run(scenario)
         fired = False
-        for nth in range(1, max(self.clean_calls, 1) + 1):
-            self.fail_call = nth
+        for nth in range(1, max(self.calls.clean_calls, 1) + 1):
+            self.calls.fail_call = nth
             fired = await self._run(scenario) or fired
         return fired
 
-    def _arm_external(self, fails: Callable[[], bool]) -> None:
-        self.calls_made = 0
-
-        def counted() -> bool:
-            self.calls_made += 1
-            return fails()
-
-        for call in self.external:
-            call.arm(counted)
-
-    def _disarm_external(self) -> None:
-        for call in self.external:
-            call.disarm()
-
     async def _clean_delivery(self) -> None:
-        message, key = await self._fresh(CLEAN)
-        before = self.before[key]
+        message, key = await self.expect.fresh(CLEAN)
+        before = self.expect.before[key]
         (delivery,) = await self._deliver([message])
         final = delivery.final
         if (
@@ -324,15 +238,15 @@ class _Kit:
             or final.duplicate
             or final.reason == "unknown"
         ):
-            record = await self.plain.get(self.scope, key)
+            record = await self.plain.get(self.consumer.scope, key)
             raise NotIdempotent(
                 CLEAN,
                 "one delivery on a healthy database must execute the message once and ack it, "
-                f"but: {_story(delivery, record)}",
+                f"but: {story(delivery, record)}",
             )
-        await self._expect_completed(CLEAN, key, delivery)
-        self.clean = await self._effect(message)
-        if self.clean == before:
+        await self.expect.completed(CLEAN, key, delivery)
+        self.expect.clean = await self.expect.effect_of(message)
+        if self.expect.clean == before:
             raise NotIdempotent(
                 CLEAN,
                 f"effect() gives {before!r} before and after a clean delivery: it does not see "
@@ -340,49 +254,50 @@ class _Kit:
                 "the handler wrote for this message)",
             )
 
-    async def _run(self, scenario: _Scenario) -> bool:
+    async def _run(self, scenario: Scenario) -> bool:
         """Run one scenario; False when its fault found no place to fire."""
-        self.scenario = scenario
         name = scenario.name
         distinct, sent = await self._messages_of(scenario)
         messages = [m for m, _ in distinct]
         deliveries = await self._play(scenario, messages, sent)
-        if self.failure is not None:
-            raise self.failure
+        self.findings.raise_noted()
         if (scenario.fault is not None or scenario.inject is not None) and not self.events:
             return False
-        _expect_settled(name, deliveries)
+        expect_settled(name, deliveries)
         for message, key in distinct:
-            await self._reconcile(name, message, key)
-            if self.failure is not None:  # a redelivery after "not executed" may set it
-                raise self.failure
-            await self._expect_completed(name, key, None)
-            await self._expect_clean(name, message, "after redelivery")
+            await reconcile(
+                name,
+                message,
+                key,
+                expect=self.expect,
+                resolver=self.resolver,
+                redeliver=self._deliver,
+            )
+            self.findings.raise_noted()  # a redelivery after "not executed" may note one
+            await self.expect.completed(name, key, None)
+            await self.expect.as_clean(name, message, "after redelivery")
         # and one more duplicate changes nothing
         await self._expect_replayed(name, messages)
         return True
 
     async def _messages_of(
-        self, scenario: _Scenario
+        self, scenario: Scenario
     ) -> tuple[list[tuple[ConsumerMessage, str]], list[ConsumerMessage]]:
         """The distinct messages of ``scenario`` with their keys, and the messages it sends
         first (in one batch, a message and its duplicate)."""
         in_one_batch = scenario.name == "duplicate in one batch"
         count = 1 if in_one_batch else scenario.together
-        distinct = [await self._fresh(scenario.name) for _ in range(count)]
+        distinct = [await self.expect.fresh(scenario.name) for _ in range(count)]
         first = distinct[0][0]
         return distinct, [first, first.fresh()] if in_one_batch else [m for m, _ in distinct]
 
     async def _play(
-        self, scenario: _Scenario, messages: list[ConsumerMessage], sent: list[ConsumerMessage]
+        self, scenario: Scenario, messages: list[ConsumerMessage], sent: list[ConsumerMessage]
     ) -> list[Delivery]:
         """Deliver ``sent`` with the scenario's fault armed, then its duplicates (or
         ``messages[0]`` from several consumers at once); every delivery, until settled."""
         self.events.clear()
-        self.after_external = None
-        self.fired_external = False
-        self.inject = scenario.inject
-        self.owner_dead = not scenario.concurrent
+        self.around.arm(scenario)
         if scenario.fault is not None:
             self.faulty.arm(scenario.fault)
         try:
@@ -397,8 +312,7 @@ class _Kit:
             return deliveries
         finally:
             self.faulty.disarm()
-            self.inject = None
-            self.owner_dead = True
+            self.around.disarm()
 
     async def _expect_replayed(self, name: str, messages: list[ConsumerMessage]) -> None:
         """One more duplicate of each of ``messages`` is replayed and changes nothing."""
@@ -406,9 +320,9 @@ class _Kit:
         for message, delivery in zip(messages, again, strict=True):
             if delivery.final is None or not delivery.final.duplicate:
                 raise NotIdempotent(
-                    name, f"a later duplicate was not replayed: {_story(delivery, None)}"
+                    name, f"a later duplicate was not replayed: {story(delivery, None)}"
                 )
-            await self._expect_clean(name, message, "after a later duplicate")
+            await self.expect.as_clean(name, message, "after a later duplicate")
 
     # --- delivering -------------------------------------------------------------------------
 
@@ -452,316 +366,22 @@ class _Kit:
             task = asyncio.current_task()
             if task is not None and self.events[fired:] and task.cancelling():
                 task.uncancel()  # the kit's own cancellation, not the test's
-            await self._check_rolled_back(messages, fired)
+            await self.expect.rolled_back(self.around.scenario, messages, fired)
             raise
         except Exception:
-            await self._check_rolled_back(messages, fired)
+            await self.expect.rolled_back(self.around.scenario, messages, fired)
             raise
         # a message this attempt settled (batch mode falls back to one by one within the same
         # call, and that may execute it) shows its effect rightly
         unsettled = [
             m for m, v in zip(messages, verdicts, strict=False) if v.action is not Action.ACK
         ]
-        await self._check_rolled_back(unsettled + messages[len(verdicts) :], fired)
+        await self.expect.rolled_back(
+            self.around.scenario, unsettled + messages[len(verdicts) :], fired
+        )
         for verdict in verdicts:
             held = verdict.action is Action.RETRY and verdict.reason == "in_progress"
-            if held and self.owner_dead and verdict.key is not None:
+            if held and self.around.owner_dead and verdict.key is not None:
                 # the owner's delivery ended: its lease runs out (now, not in 30 s)
-                await self._expire_lease(verdict.key)
+                await self.around.expire_lease(verdict.key)
         return verdicts
-
-    async def _check_rolled_back(self, messages: list[ConsumerMessage], fired: int) -> None:
-        scenario = self.scenario
-        if scenario is None or not scenario.rolled_back or len(self.events) == fired:
-            return
-        if self.failure is not None:
-            return
-        for message in _unique(messages):
-            key = self._key(scenario.name, message)
-            now = await self._effect(message)
-            if now != self.before[key]:
-                self.failure = NotIdempotent(
-                    scenario.name,
-                    f"the attempt was rolled back ({', '.join(self.events[fired:])}), yet the "
-                    f"effect is {now!r} where it was {self.before[key]!r} before the delivery: "
-                    "part of the handler's effect is not in the idempotency transaction (a "
-                    "write through another connection or pool, a call to another service, or "
-                    "a COMMIT of the handler's own), and the redelivery will do it again",
-                )
-                return
-
-    # --- the faults the kit plays around the handler ---------------------------------------
-
-    def _wrap(self, handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-        kit = self
-
-        async def under_test(work: Any, context: Any) -> Any:
-            inject, kit.inject = kit.inject, None
-            if inject == "ambiguous_before":
-                kit.events.append("ambiguous failure before the call")
-                raise Ambiguous("injected: the request may have left (a connect timeout)")
-            if inject == "took_effect":
-                return await kit._took_effect(handler, work, context)
-            if kit.fired_external:
-                return await kit._after_took_effect(handler, work, context)
-            result = await handler(work, context)
-            if inject == "ambiguous_after":
-                kit.events.append("ambiguous failure after the call")
-                raise Ambiguous("injected: the call was made, its answer was lost")
-            if inject == "lease_lost":
-                kit.events.append("lease lost during the call")
-                await kit._expire_lease(context.key)
-                await kit.plain.maintenance.sweep()  # the sweeper parks it as unknown
-            if inject == "session_killed":
-                kit.events.append("the server ended the unit's session")
-                await kit._terminate(context)
-            return result
-
-        under_test.__name__ = getattr(handler, "__name__", "handler")
-        under_test.__doc__ = handler.__doc__
-        return under_test
-
-    async def _took_effect(
-        self, handler: Callable[..., Awaitable[Any]], work: Any, context: Any
-    ) -> Any:
-        """Run the handler with its external calls armed: its ``fail_call``-th call takes
-        effect, then raises (only that one). Note what the handler made of it."""
-        self._arm_external(lambda: self.calls_made == self.fail_call)
-        fired = [len(call.raised) for call in self.external]
-
-        def took_effect() -> bool:
-            return any(len(c.raised) > n for c, n in zip(self.external, fired, strict=True))
-
-        try:
-            result = await handler(work, context)
-        except BaseException as exc:
-            if took_effect():
-                self.after_external = f"raised {type(exc).__name__}({exc})"
-            raise
-        finally:
-            self._disarm_external()
-            if took_effect():
-                self.fired_external = True
-                failure = next(
-                    c.raised[-1]
-                    for c, n in zip(self.external, fired, strict=True)
-                    if len(c.raised) > n
-                )
-                nth = self.fail_call, self.clean_calls
-                self.events.append(
-                    f"the call took effect, then raised {type(failure).__name__}"
-                    + ("" if nth[1] <= 1 else f" (call {nth[0]} of the {nth[1]} a delivery makes)")
-                )
-        self.after_external = "returned normally"
-        return result
-
-    async def _after_took_effect(
-        self, handler: Callable[..., Awaitable[Any]], work: Any, context: Any
-    ) -> Any:
-        """The handler runs again after its call took effect and failed: it said the work was
-        not done (``Retryable``), so it must make its call again, for the far side to answer
-        it (a gateway deduping by ``attempt.downstream_key``). Answering without any call
-        means it remembered the first one where the kit cannot see: process memory, which a
-        redelivery to another instance (a restart, a rebalance) does not have, and the call is
-        made twice there."""
-        self._arm_external(lambda: False)
-        try:
-            result = await handler(work, context)
-        finally:
-            self._disarm_external()
-        if self.calls_made == 0 and self.clean_calls > 0 and self.failure is None:
-            assert self.scenario is not None
-            self.failure = NotIdempotent(
-                self.scenario.name,
-                f"the external call took effect and then failed; the handler "
-                f"{self.after_external}, and when the message was delivered again it returned "
-                f"without making any of the {self.clean_calls} call(s) one clean delivery makes: "
-                "it remembered the first attempt where the kit cannot see (process memory?). A "
-                "redelivery to another instance (a restart, a rebalance) makes the call again "
-                "(if it asked the far side, wrap that call in an ExternalCall too). "
-                "An error after a call may have taken effect is Ambiguous (the key is parked "
-                "unknown and reconciled), never Retryable, unless the far side dedupes it by "
-                "attempt.downstream_key",
-            )
-        return result
-
-    async def _expire_lease(self, key: str) -> None:
-        async with self.pool.acquire(timeout=10) as conn:
-            await conn.execute(
-                f"UPDATE {self.store.table} SET locked_until = now() - interval '1 second'"
-                # the token says in progress (see migration 8): no partial index is implied
-                " WHERE scope = $1 AND key = $2 AND owner_token IS NOT NULL",
-                self.scope,
-                key,
-            )
-
-    async def _terminate(self, conn: Any) -> None:
-        """End the unit's session from the server side, as an operator, a statement timeout or a
-        failover does, and wait until its backend is gone (its transaction rolled back)."""
-        pid = conn.get_server_pid()
-        async with self.pool.acquire(timeout=10) as admin:
-            await admin.execute("SELECT pg_terminate_backend($1)", pid)
-            for _ in range(500):
-                if not await admin.fetchval(
-                    "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)", pid
-                ):
-                    return
-                await asyncio.sleep(0.01)
-
-    # --- reconciliation ---------------------------------------------------------------------
-
-    async def _reconcile(self, name: str, message: ConsumerMessage, key: str) -> None:
-        """Settle a record left ``unknown`` as the reconciler would; a "not executed" answer
-        re-sends the original, which is delivered again."""
-        for _ in range(3):
-            record = await self.plain.get(self.scope, key)
-            if record is None or record.status is not Status.UNKNOWN:
-                return
-            transport = MemoryTransport(self.plain)
-            writes = self.consumer.local_writes
-            reconciler = Reconciler(
-                self.plain,
-                self.resolver or self._truth(message, key),
-                backoff=(0.01, 0.05),
-                redispatch_grace=0.0,
-                # as an operator's reconciler must: "executed" commits the local rows too
-                local_writes=None if writes is None else {self.scope: writes},
-            )
-            reconciler.attach(transport)
-            notice = ConsumerMessage(encode_notice(self.scope, key, record.last_error))
-            await deliver(reconciler.process, notice, transport=transport)
-            copies = [
-                ConsumerMessage(n.body, dict(n.headers))
-                for n in transport.redispatched
-                if n.body is not None
-            ]
-            record = await self.plain.get(self.scope, key)
-            if record is not None and record.status is Status.FAILED_RETRYABLE and not copies:
-                copies = [message.fresh()]  # nothing kept to re-send: the broker redelivers it
-            for copy in copies:
-                await self._deliver([copy])
-        record = await self.plain.get(self.scope, key)
-        raise NotIdempotent(name, f"still unknown after reconciliation: {_story(None, record)}")
-
-    def _truth(self, message: ConsumerMessage, key: str) -> Resolver:
-        async def resolve(record: Record) -> Executed | NotExecuted:
-            if await self._effect(message) == self.before[key]:
-                return NotExecuted("assert_idempotent: effect() shows no effect")
-            return Executed(None)
-
-        return resolve
-
-    # --- checks -----------------------------------------------------------------------------
-
-    async def _expect_completed(self, name: str, key: str, delivery: Delivery | None) -> None:
-        record = await self.plain.get(self.scope, key)
-        if record is None or record.status is not Status.COMPLETED:
-            raise NotIdempotent(
-                name,
-                f"the record is {record.status if record else 'missing'} where one clean "
-                f"delivery leaves it completed: {_story(delivery, record)}",
-            )
-
-    async def _expect_clean(self, name: str, message: ConsumerMessage, when: str) -> None:
-        now = await self._effect(message)
-        if now != self.clean:
-            raise NotIdempotent(
-                name,
-                f"{when}, the effect is {now!r}; one clean delivery gives {self.clean!r}"
-                f"{_fired(self.events)}{self._external_hint()}",
-            )
-
-    def _external_hint(self) -> str:
-        """Why a handler fails "the call took effect, then failed", in its own terms."""
-        if self.after_external is None:
-            return ""
-        told = (
-            f". The external call took effect and then failed; the handler "
-            f"{self.after_external}, and the call was made again"
-        )
-        if not self.two_phase:
-            return (
-                f"{told}: a transactional handler's call to another service is not rolled back "
-                "with its unit (make it a two-phase handler)"
-            )
-        return (
-            f"{told}. An error after a call may have taken effect is Ambiguous (the key is "
-            "parked unknown and reconciled), never Retryable, unless the far side dedupes it "
-            "by attempt.downstream_key"
-        )
-
-    # --- helpers ----------------------------------------------------------------------------
-
-    async def _fresh(self, name: str) -> tuple[ConsumerMessage, str]:
-        """A new message from ``make_message()``, its key, and its effect before delivery."""
-        message = self.make_message()
-        if inspect.isawaitable(message):
-            message = await message
-        if not isinstance(message, ConsumerMessage):
-            raise TypeError(
-                f"make_message() returned {type(message).__name__}, not a ConsumerMessage"
-            )
-        key = self._key(name, message)
-        if key in self.before:
-            raise ValueError(f"make_message() returned the key {key!r} twice: make a new one")
-        self.before[key] = await self._effect(message)
-        return message, key
-
-    def _key(self, name: str, message: ConsumerMessage) -> str:
-        prepared = self.consumer.prepare(message)
-        if isinstance(prepared, Verdict):
-            raise NotIdempotent(
-                name,
-                f"the message is dead-lettered before the handler runs ({prepared.reason}): "
-                "make_message() must make a message the consumer accepts",
-            )
-        return prepared[0]
-
-    async def _effect(self, message: ConsumerMessage) -> Any:
-        async with self.pool.acquire() as conn:
-            value = self.effect(cast(asyncpg.Connection, conn), message)
-            return await value if inspect.isawaitable(value) else value
-
-
-def _expect_settled(name: str, deliveries: list[Delivery]) -> None:
-    """Every delivery of scenario ``name`` settled, none dead-lettered."""
-    for delivery in deliveries:
-        if not delivery.acked:
-            raise NotIdempotent(name, f"never settled: {_story(delivery, None)}")
-        if delivery.dead_letter_reason is not None:
-            raise NotIdempotent(
-                name,
-                f"dead-lettered ({delivery.dead_letter_reason}), where one clean delivery "
-                f"executes it: {_story(delivery, None)}",
-            )
-
-
-def _unique(messages: Sequence[ConsumerMessage]) -> list[ConsumerMessage]:
-    """The distinct messages of a run (a duplicate inside a batch is the same message)."""
-    seen: list[ConsumerMessage] = []
-    for message in messages:
-        if not any(message.body == m.body and message.headers == m.headers for m in seen):
-            seen.append(message)
-    return seen
-
-
-def _fired(events: list[str]) -> str:
-    return f" (faults: {', '.join(events)})" if events else ""
-
-
-def _story(delivery: Delivery | None, record: Record | None) -> str:
-    parts = []
-    if delivery is not None:
-        verdicts = ", ".join(
-            f"{v.action}{' duplicate' if v.duplicate else ''}{f' ({v.reason})' if v.reason else ''}"
-            for v in delivery.verdicts
-        )
-        parts.append(
-            f"{delivery.deliveries} deliveries, {delivery.crashes} crashed, verdicts [{verdicts}]"
-        )
-    if record is not None:
-        parts.append(
-            f"record {record.status}"
-            + (f", last error {record.last_error!r}" if record.last_error else "")
-        )
-    return "; ".join(parts) or "nothing recorded"
