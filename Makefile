@@ -3,7 +3,8 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
 
-.PHONY: venv services services-down demo test test-fast lint typecheck pytest pytest-pg18 bench clean docs docs-serve package
+.PHONY: venv services services-down demo test test-fast lint typecheck pytest pytest-pg18 bench clean docs docs-serve package \
+	after-suite after-pg18 after-wheel-quickstart after-wheel-testing after-wheel-snippets
 
 venv: $(VENV_STAMP)
 
@@ -37,9 +38,20 @@ pytest-pg18: venv services
 
 test: venv lint typecheck docs package services
 	.venv/bin/pytest
+	$(MAKE) --no-print-directory -j4 --output-sync=target after-suite
+
+# After the suite, side by side (each one's output kept together): the Postgres-only files on
+# PostgreSQL 18, and the built wheel as users install it (the quickstart, a new pytest project
+# with only the testing extra, every guide's programs with only the extras their page names).
+# They share no database and mostly wait on pip, so together they take the time of the longest.
+after-suite: after-pg18 after-wheel-quickstart after-wheel-testing after-wheel-snippets
+after-pg18:
 	scripts/pytest-pg18
+after-wheel-quickstart:
 	scripts/wheel-quickstart
+after-wheel-testing:
 	scripts/wheel-testing
+after-wheel-snippets:
 	scripts/wheel-snippets
 
 # Seconds, no service needed: the pure tests (keys, fingerprints, signatures, verdicts, options).
