@@ -33,6 +33,7 @@ from consumer_idem.stores.base import (
 from consumer_idem.stores.cache import CompletedCache
 from consumer_idem.stores.postgres import errors as pg_errors
 from consumer_idem.stores.postgres import migrate
+from consumer_idem.stores.postgres.cached_decisions import CachedDecisions
 from consumer_idem.stores.postgres.connections import Connections
 from consumer_idem.stores.postgres.dsn_pool import DsnPool
 from consumer_idem.stores.postgres.eviction import Evictions
@@ -135,6 +136,7 @@ class PostgresStore(StoreBase):
         self._connections = Connections(self)
         self._schema_version = SchemaVersion(self)
         self._evictions = Evictions(self)
+        self._cached = CachedDecisions(self)
         self.fast_path = FastPath(self)
         self.reconciliation = Reconciliation(self)
         self.redispatch = RedispatchOutbox(self)
@@ -304,23 +306,15 @@ class PostgresStore(StoreBase):
 
     # --- the completed-record cache ------------------------------------------------------------
 
-    async def cached_decision(self, scope: str, key: str, fingerprint: str) -> Decision | None:
+    def cached_decision(
+        self, scope: str, key: str, fingerprint: str
+    ) -> Coroutine[Any, Any, Decision | None]:
         """A replay (or misuse) answered from the cache, or None: ask Postgres."""
-        if self.cache is None:
-            return None
-        record = await self.cache.get(scope, key)
-        if record is None:
-            return None
-        if record.fingerprint != fingerprint:
-            self.metrics.inc("key_misuse", scope)
-            return Decision(DecisionKind.MISUSE, record)
-        self.metrics.inc("replay", scope)
-        return Decision(DecisionKind.REPLAY, record)
+        return self._cached.decision(scope, key, fingerprint)
 
-    async def remember(self, record: Record | None) -> None:
+    def remember(self, record: Record | None) -> Coroutine[Any, Any, None]:
         """Cache a record completed and committed (no-op without a cache)."""
-        if self.cache is not None and record is not None:
-            await self.cache.put(record)
+        return self._cached.remember(record)
 
     # --- owner transitions (fenced by the token) ----------------------------------------------
 
