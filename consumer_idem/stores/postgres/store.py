@@ -10,22 +10,17 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Coroutine, Generator
+from contextlib import AbstractAsyncContextManager
 from datetime import timedelta
 from typing import Any, Protocol, TypeVar
 
 import asyncpg
 
-from consumer_idem.commit import commit, rollback
 from consumer_idem.errors import (
     ConsumerIdemError,
-    KeyHeld,
     LeaseLost,
-    SchemaMissing,
-    StoreRejected,
     StoreUnavailable,
 )
 from consumer_idem.metrics import Metrics
@@ -38,13 +33,17 @@ from consumer_idem.stores.base import (
 from consumer_idem.stores.cache import CompletedCache
 from consumer_idem.stores.postgres import errors as pg_errors
 from consumer_idem.stores.postgres import migrate
+from consumer_idem.stores.postgres.cached_decisions import CachedDecisions
+from consumer_idem.stores.postgres.connections import Connections
 from consumer_idem.stores.postgres.dsn_pool import DsnPool
+from consumer_idem.stores.postgres.eviction import Evictions
 from consumer_idem.stores.postgres.fast_path import FastPath
 from consumer_idem.stores.postgres.maintenance import Maintenance
 from consumer_idem.stores.postgres.outbox import Outbox
-from consumer_idem.stores.postgres.pooler import Pooler, check_pool, validate_pooler
+from consumer_idem.stores.postgres.pooler import Pooler, validate_pooler
 from consumer_idem.stores.postgres.reconciliation import Reconciliation
 from consumer_idem.stores.postgres.redispatch import RedispatchOutbox
+from consumer_idem.stores.postgres.schema_version import SchemaVersion
 from consumer_idem.stores.postgres.wrong_node import WrongNode
 from consumer_idem.stores.results import encode_result
 from consumer_idem.types import (
@@ -54,12 +53,8 @@ from consumer_idem.types import (
     Record,
     Resolution,
     ResultKind,
-    Status,
     StoredResponse,
 )
-
-#: how long a refusal's check waits for a pooled connection to ask on (seconds)
-_PROBE_ACQUIRE_S = 2.0
 
 log = logging.getLogger("consumer_idem.stores.postgres.store")
 
@@ -138,6 +133,10 @@ class PostgresStore(StoreBase):
         )
         #: episodes of a server that cannot take writes (read-only, in recovery)
         self.wrong_node = WrongNode()
+        self._connections = Connections(self)
+        self._schema_version = SchemaVersion(self)
+        self._evictions = Evictions(self)
+        self._cached = CachedDecisions(self)
         self.fast_path = FastPath(self)
         self.reconciliation = Reconciliation(self)
         self.redispatch = RedispatchOutbox(self)
@@ -198,24 +197,11 @@ class PostgresStore(StoreBase):
 
     # --- plumbing ------------------------------------------------------------------------------
 
-    @asynccontextmanager
-    async def connection(self, conn: asyncpg.Connection | None = None) -> AsyncIterator[Any]:
+    def connection(
+        self, conn: asyncpg.Connection | None = None
+    ) -> AbstractAsyncContextManager[Any]:
         """Yield ``conn`` itself, or a pooled connection; pool failures become StoreUnavailable."""
-        if conn is not None:
-            yield conn
-            return
-        try:
-            acquired = self.pool.acquire(timeout=self.command_timeout)
-            connection = await acquired.__aenter__()
-        except Exception as exc:
-            raise self.error_for("acquire", exc) from exc
-        try:
-            yield connection
-        finally:
-            try:
-                await acquired.__aexit__(None, None, None)
-            except Exception:  # releasing a broken connection must not mask the real error
-                log.debug("releasing a connection failed", exc_info=True)
+        return self._connections.connection(conn)
 
     def error_for(
         self, operation: str, exc: BaseException, scope: str = "", conn: Any = None
@@ -224,109 +210,42 @@ class PostgresStore(StoreBase):
         outage, :class:`SchemaMissing` or :class:`StoreRejected` for what the data caused
         (see ``pg_errors``). ``conn``: the connection it failed on, closed when the server
         cannot take writes (see :class:`WrongNode`)."""
-        kind = pg_errors.kind_of(exc)
-        self.metrics.inc("store_error", scope)
-        wrong_node = pg_errors.wrong_node(exc)
-        if wrong_node:  # said once per episode, not once per message
-            self.wrong_node.seen(exc, conn)
-        log.log(
-            logging.DEBUG if wrong_node else logging.WARNING,
-            "store %s failed (%s): %s: %s",
-            operation,
-            kind.__name__,
-            type(exc).__name__,
-            exc,
-            extra={"scope": scope, "operation": operation},
-        )
-        error = kind(pg_errors.describe(operation, exc))
-        if wrong_node and isinstance(error, StoreUnavailable):
-            error.said = True
-        return error
+        return self._connections.error_for(operation, exc, scope, conn)
 
     @staticmethod
     def is_outage(exc: BaseException) -> bool:
         """Is ``exc`` (raised by the database driver) an outage that waiting may cure?"""
         return pg_errors.kind_of(exc) is StoreUnavailable
 
-    async def run(
+    def run(
         self,
         operation: str,
         scope: str,
         conn: asyncpg.Connection | None,
         call: Callable[[Any], Awaitable[T]],
-    ) -> T:
+    ) -> Coroutine[Any, Any, T]:
         """Run ``call`` on ``conn`` or a pooled connection, timed, with every database failure
         turned into the library's error for it (the store's parts all go through here)."""
-        started = time.perf_counter()
-        c: Any = None
-        try:
-            async with self.connection(conn) as c:
-                return await call(c)
-        except ConsumerIdemError:
-            raise
-        except Exception as exc:  # any database failure means: do not proceed
-            error = self.error_for(operation, exc, scope, c)
-            if isinstance(error, StoreRejected) and await self.refuses_any_write():
-                # the same class also says "the server takes no write at all" (54000: its
-                # XID wraparound protection): then the message is not to blame; wait
-                error = StoreUnavailable(
-                    f"{error}; the database refuses a write that carries no message data "
-                    "too: an outage of the server (XID wraparound protection? run VACUUM), "
-                    "not the message's data"
-                )
-            raise error from exc
-        finally:
-            self.metrics.observe(operation, time.perf_counter() - started)
+        return self._connections.run(operation, scope, conn, call)
 
     async def refuses_any_write(self) -> bool:
         """Before the message is blamed for a refusal: does the server refuse a write that
         carries none of its data (an empty transaction that takes a transaction ID)? Only a
         refusal by the server says so; no free connection to ask on says nothing."""
-        try:
-            async with self.pool.acquire(timeout=_PROBE_ACQUIRE_S) as probe:
-                await probe.execute(
-                    "BEGIN; SELECT pg_current_xact_id(); ROLLBACK", timeout=self.command_timeout
-                )
-        except asyncpg.PostgresError:
-            return True
-        except Exception:  # no connection to ask on (a full pool): keep the data's verdict
-            log.debug("asking whether the server takes writes failed", exc_info=True)
-        return False
+        return await self._connections.refuses_any_write()
 
     # --- schema --------------------------------------------------------------------------------
 
     async def migrate(self) -> list[int]:
         """Create or upgrade the schema; safe when several processes run it at once (one
         transaction: it goes through a transaction pooler too)."""
-
-        async def apply(c: Any) -> list[int]:
-            await self._check_pool(c)
-            return await migrate.apply(c, self.schema)
-
-        return await self.run("migrate", "", None, apply)
-
-    async def _check_pool(self, conn: Any) -> None:
-        if self.pooler == "transaction":
-            await check_pool(conn)
+        return await self._schema_version.migrate()
 
     async def check_schema(self) -> None:
         """Fail fast at start-up: raise :class:`SchemaMissing` (naming the command that fixes it)
         when the schema is missing or older than this library, :class:`StoreUnavailable` when
         the database cannot be reached. Runners call it before consuming."""
-        wanted = max(m.version for m in migrate.available())
-        sql = f'SELECT coalesce(max(version), 0) FROM "{self.schema}".schema_migrations'
-
-        async def check(c: Any) -> int:
-            await self._check_pool(c)
-            found: int = await c.fetchval(sql)
-            return found
-
-        version = await self.run("check_schema", "", None, check)
-        if version < wanted:
-            raise SchemaMissing(
-                f"the idempotency schema {self.schema!r} is at version {version}, this library "
-                f"needs {wanted}: {pg_errors.MIGRATE_HINT}"
-            )
+        await self._schema_version.check()
 
     # --- reservation ---------------------------------------------------------------------------
 
@@ -387,25 +306,15 @@ class PostgresStore(StoreBase):
 
     # --- the completed-record cache ------------------------------------------------------------
 
-    async def cached_decision(self, scope: str, key: str, fingerprint: str) -> Decision | None:
+    def cached_decision(
+        self, scope: str, key: str, fingerprint: str
+    ) -> Coroutine[Any, Any, Decision | None]:
         """A replay (or misuse) answered from the cache, or None: ask Postgres."""
-        if self.cache is None:
-            return None
-        record = await self.cache.get(scope, key)
-        if record is None:
-            return None
-        if record.fingerprint != fingerprint:
-            self.metrics.inc("key_misuse", scope)
-            return Decision(DecisionKind.MISUSE, record)
-        self.metrics.inc("replay", scope)
-        return Decision(DecisionKind.REPLAY, record)
+        return self._cached.decision(scope, key, fingerprint)
 
-    async def remember(self, record: Record | None) -> None:
+    def remember(self, record: Record | None) -> Coroutine[Any, Any, None]:
         """Cache a record completed and committed (no-op without a cache)."""
-        if self.cache is not None and record is not None:
-            await self.cache.put(record)
-
-    # --- transactional fast path ---------------------------------------------------------------
+        return self._cached.remember(record)
 
     # --- owner transitions (fenced by the token) ----------------------------------------------
 
@@ -571,22 +480,7 @@ class PostgresStore(StoreBase):
         """Delete a record. With ``token``, only while that owner still holds it (an owner
         cleaning up after itself); without, as an operator (:meth:`evict_record`): False when
         there is no record, :class:`KeyHeld` when a worker holds it (nothing evicted)."""
-        if token is None:
-            eviction = await self.evict_record(scope, key)
-            if eviction is not None and eviction.held_until is not None:
-                raise KeyHeld(scope, key, eviction.held_until)
-            return eviction is not None
-        sql = f"DELETE FROM {self.table} WHERE scope = $1 AND key = $2 AND owner_token = $3"
-
-        async def call(c: Any) -> Any:
-            return await c.execute(sql, scope, key, token, timeout=self.command_timeout)
-
-        tag: str = await self._uncached("evict", scope, key, call)
-        deleted = tag.endswith(" 1")
-        if not deleted:
-            self.metrics.inc("lease_lost", scope)
-            raise LeaseLost(f"evict: ({scope!r}, {key!r}) is no longer held by this owner")
-        return deleted
+        return await self._evictions.evict(scope, key, token=token)
 
     async def evict_record(
         self, scope: str, key: str, *, while_held: bool = False
@@ -602,64 +496,4 @@ class PostgresStore(StoreBase):
         armed by a "not executed" answer): that original is armed, due now, in the same
         transaction, and the sweeper sends it again (``Eviction.redispatch_to``). For any
         other status a leftover outbox row is stale and goes with the record."""
-
-        async def call(c: Any) -> Eviction | None:
-            # Two statements in one transaction: the DELETE waits for a keep_original holding
-            # the row (FOR SHARE), and the outbox statement then sees what it kept (one
-            # statement's snapshot would predate the wait and orphan the kept original).
-            await c.execute("BEGIN")
-            try:
-                status = await c.fetchval(
-                    f"DELETE FROM {self.table} WHERE scope = $1 AND key = $2 AND ($3"
-                    " OR status <> 'in_progress' OR locked_until <= clock_timestamp())"
-                    " RETURNING status",
-                    scope,
-                    key,
-                    while_held,
-                    timeout=self.command_timeout,
-                )
-                eviction = None
-                if status is not None:
-                    source = await self.redispatch.after_evict(c, scope, key, Status(status))
-                    eviction = Eviction(scope, key, Status(status), source)
-                else:
-                    held = await c.fetchval(
-                        f"SELECT locked_until FROM {self.table} WHERE scope = $1 AND key = $2"
-                        " AND status = 'in_progress'",
-                        scope,
-                        key,
-                        timeout=self.command_timeout,
-                    )
-                    if held is not None:
-                        eviction = Eviction(scope, key, Status.IN_PROGRESS, held_until=held)
-                await commit(c)
-            except BaseException:
-                await rollback(c)
-                raise
-            return eviction
-
-        eviction = await self._uncached("evict", scope, key, call)
-        if eviction is not None and eviction.evicted:
-            log.warning(
-                "scope=%s key=%s: evicted by an operator (was %s)%s",
-                scope,
-                key,
-                eviction.status,
-                ""
-                if eviction.redispatch_to is None
-                else f"; its original is armed for re-dispatch to {eviction.redispatch_to}",
-                extra={"scope": scope, "key": key},
-            )
-        return eviction
-
-    async def _uncached(
-        self, operation: str, scope: str, key: str, call: Callable[[Any], Awaitable[T]]
-    ) -> T:
-        """Run a delete of a record with its cache entry dropped before and after (fenced: a
-        read racing the delete cannot re-cache it)."""
-        if self.cache is not None:
-            await self.cache.delete([(scope, key)])
-        result = await self.run(operation, scope, None, call)
-        if self.cache is not None:
-            await self.cache.delete([(scope, key)])
-        return result
+        return await self._evictions.evict_record(scope, key, while_held=while_held)
