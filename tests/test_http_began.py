@@ -4,6 +4,7 @@ through, and the same key runs when the corrected request comes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,7 +19,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from consumer_idem import PostgresStore
-from consumer_idem.http import IdempotencyMiddleware
+from consumer_idem.http import IdempotencyMiddleware, idempotent
 from tests._cli import cli
 
 
@@ -213,3 +214,41 @@ async def test_routes_it_cannot_watch_still_record_every_answer(
         assert first.status_code == again.status_code == status
         assert again.headers.get("idempotent-replayed") == "true"
     assert runs == [5, 5]
+
+
+@pytest.mark.parametrize("mode", ["transactional", "two_phase"])
+async def test_a_duplicate_waiting_on_a_refused_request_runs_itself(
+    http: Any, store: PostgresStore, scope: str, mode: str
+) -> None:
+    """The first request is refused by a dependency while a duplicate waits for its key:
+    the key is let go, and the duplicate runs as the first request."""
+    runs: list[int] = []
+    entered, release = asyncio.Event(), asyncio.Event()
+    calls: list[int] = []
+
+    async def gate() -> None:
+        calls.append(1)
+        if len(calls) == 1:  # the first request waits here, then is refused
+            entered.set()
+            await release.wait()
+            raise HTTPException(403, "not yet")
+
+    app = FastAPI()
+
+    @app.post("/orders", status_code=201, dependencies=[Depends(gate)])
+    @idempotent(wait=10)
+    async def create(order: Order) -> dict[str, int]:
+        runs.append(order.amount)
+        return {"amount": order.amount}
+
+    client = await http(app, mode=mode)
+    h = {"Idempotency-Key": scope}
+    first = asyncio.create_task(client.post("/orders", json={"amount": 5}, headers=h))
+    await asyncio.wait_for(entered.wait(), 5)
+    duplicate = asyncio.create_task(client.post("/orders", json={"amount": 5}, headers=h))
+    await asyncio.sleep(0.3)  # the duplicate meets the key in flight and waits
+    assert not duplicate.done()
+    release.set()
+    refused, ran = await asyncio.wait_for(asyncio.gather(first, duplicate), 10)
+    assert refused.status_code == 403 and ran.status_code == 201
+    assert runs == [5] and await records(store, scope) == ["completed"]
