@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from consumer_idem.errors import InvalidKey, KeyHeaderError
 from consumer_idem.http import responses
+from consumer_idem.http._compat import NOWHERE, watched
 from consumer_idem.http.asgi import Receive, Scope, Send
 from consumer_idem.http.callers import ANONYMOUS
 from consumer_idem.http.key_header import HEADER, parse_key_header
@@ -42,7 +43,7 @@ def routed(router: object, scope: Scope) -> Routed:
         return found
     raw_path = scope.get("raw_path")
     path = raw_path.decode("latin-1") if raw_path else scope["path"]
-    return Routed(path.split("?", 1)[0], RouteOptions())
+    return Routed(path.split("?", 1)[0], RouteOptions(), route=NOWHERE)
 
 
 async def admit(
@@ -115,6 +116,7 @@ async def _read(
         fail_open=middleware.fail_open if options.fail_open is None else options.fail_open,
         wait=middleware.wait if options.wait is None else options.wait,
         started_at=time.monotonic(),
+        watched=watched(middleware.router, route.route),
     )
 
 

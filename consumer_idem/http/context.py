@@ -26,6 +26,9 @@ class IdempotencyContext:
     #: two-phase mode: pass this to the external system as its own idempotency key
     downstream_key: str | None = None
     writes: list[Callable[[asyncpg.Connection], Awaitable[Any]]] = field(default_factory=list)
+    #: did the endpoint begin executing? ``None``: this request cannot tell (its response is
+    #: recorded); ``False`` until it begins: a response before then is passed through
+    began: bool | None = None
 
     def add_write(self, write: Callable[[asyncpg.Connection], Awaitable[Any]]) -> None:
         """Two-phase mode: a local write committed together with the stored response."""

@@ -17,6 +17,8 @@ import asyncpg
 
 from consumer_idem import tracing
 from consumer_idem.claim import TransactionalClaim, TwoPhaseClaim, is_lock_timeout, waiters_for
+from consumer_idem.commit import rollback
+from consumer_idem.completion_waiters import notify_settled
 from consumer_idem.downstream import downstream_key_for
 from consumer_idem.errors import (
     CommitRolledBack,
@@ -30,6 +32,7 @@ from consumer_idem.errors import (
 )
 from consumer_idem.http import responses
 from consumer_idem.http.asgi import Receive, Scope, Send
+from consumer_idem.http.began import release_unbegun
 from consumer_idem.http.capture import Captured, EndpointFailed, StreamIncomplete
 from consumer_idem.http.context import IdempotencyContext
 from consumer_idem.http.fail_open import Held, may_bypass
@@ -83,6 +86,8 @@ class KeyedRequest:
     holding: bool = False
     #: the endpoint ran and its outcome is recorded (or nothing of it can have happened)
     settled: bool = False
+    #: the route tells when its endpoint begins: an answer from before then is not recorded
+    watched: bool = False
 
     def __post_init__(self) -> None:
         # the app reads the body again, then the real receive
@@ -179,6 +184,10 @@ class KeyedRequest:
             # a stream that died mid-way included: rolled back, never a stored success
             self._failed(await claim.fail(exc, "exception in endpoint"))
             raise
+        if context.began is False:  # the framework answered: nothing ran, nothing is kept
+            await rollback(conn)
+            await self._not_begun(captured)
+            return
         if captured.incomplete:  # rolled back; the client is gone, or gets a broken response
             self._failed(await claim.fail(StreamIncomplete(), "stream incomplete"))
             self._count("failed")
@@ -266,6 +275,10 @@ class KeyedRequest:
             # a stream that died mid-way included: parked, never a stored success
             await claim.park(exc)
             raise
+        if context.began is False:  # the framework answered: nothing ran, nothing is kept
+            await release_unbegun(claim)
+            await self._not_begun(captured)
+            return
         if captured.incomplete:  # what the stream was doing when it stopped is unknown
             await claim.park(StreamIncomplete())
             self._count("unknown")
@@ -317,6 +330,16 @@ class KeyedRequest:
     async def _run_endpoint(self, context: IdempotencyContext) -> Captured:
         self.ran = True
         return await self.middleware._run_app(self, context)
+
+    async def _not_begun(self, captured: Captured) -> None:
+        """The framework answered before the endpoint began (a 422 of its validation, a
+        dependency that refused): passed through, and the key is free for a corrected
+        retry; a duplicate waiting for it is woken."""
+        self._settle()
+        if self.wait > 0:
+            await notify_settled(self.middleware.store, self.record_scope, self.key)
+        self._count("not_begun")
+        await self._respond(captured)
 
     async def _respond(self, captured: Captured) -> None:
         self._release()  # settled: a duplicate meets the record from here on

@@ -11,6 +11,7 @@ from starlette.types import ASGIApp as StarletteASGIApp
 
 from consumer_idem import http_refusal, tracing
 from consumer_idem.errors import ConfigurationError
+from consumer_idem.http._compat import running
 from consumer_idem.http.admission import admit
 from consumer_idem.http.asgi import ASGIApp, Receive, Scope, Send
 from consumer_idem.http.callers import Caller, caller_of
@@ -163,6 +164,12 @@ class IdempotencyMiddleware:
         """Run the endpoint of ``request``; its response is captured, not sent (see
         :mod:`consumer_idem.http.capture`)."""
         captured = Captured(request.send)
-        with tracing.step("handler"):
-            await self.app(endpoint_scope(request.scope, context), request.receive, captured)
+        if request.watched:
+            context.began = False  # until the endpoint begins (see _compat)
+        token = running.set(context)
+        try:
+            with tracing.step("handler"):
+                await self.app(endpoint_scope(request.scope, context), request.receive, captured)
+        finally:
+            running.reset(token)
         return captured

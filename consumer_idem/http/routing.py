@@ -87,6 +87,8 @@ class Routed:
     template: str
     options: RouteOptions
     hosts: tuple[str, ...] = ()
+    #: the route as declared, when the request goes to an endpoint route (not a mount)
+    route: Any = None
 
 
 def resolve_route(app: Any, scope: Scope) -> tuple[str, RouteOptions] | None:
@@ -150,7 +152,10 @@ def _resolve(
             return _resolve(inner, {**scope, **child}, inner_prefix, options, hosts)
         endpoint = getattr(route, "endpoint", None)
         return Routed(
-            prefix + str(getattr(route, "path", "")), _options(endpoint, inherited), hosts
+            prefix + str(getattr(route, "path", "")),
+            _options(endpoint, inherited),
+            hosts,
+            declared,
         )
     return None
 
