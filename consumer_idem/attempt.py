@@ -1,5 +1,6 @@
-"""An attempt at a key, and how a reservation or a failure reads as an :class:`Outcome`:
-shared by both claim phases (:mod:`consumer_idem.claim`, :mod:`consumer_idem.claim_two_phase`)
+"""An attempt at a key, and how a reservation or a failure reads as an
+[`Outcome`][consumer_idem.Outcome]:
+shared by both claim phases (`consumer_idem.claim`, `consumer_idem.claim_two_phase`)
 and batch mode. Re-exported from ``consumer_idem.claim``."""
 
 from __future__ import annotations

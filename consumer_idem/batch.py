@@ -1,10 +1,10 @@
 """Batch mode: a run of messages claimed, handled and completed in one transaction.
 
-A :class:`BatchUnit` carries one such run through its named steps: :meth:`~BatchUnit.claim`
-every key at once, :meth:`~BatchUnit.run` the handler over the members claimed and commit,
-:meth:`~BatchUnit.park` them when the handler ended the transaction itself, and
-:meth:`~BatchUnit.settle_prefix`: the verdicts of the run, in order, up to the first that must
-wait. Each message with a valid key is a :class:`Member`. The consumer
+A `BatchUnit` carries one such run through its named steps: `claim`
+every key at once, `run` the handler over the members claimed and commit,
+`park` them when the handler ended the transaction itself, and
+`settle_prefix`: the verdicts of the run, in order, up to the first that must
+wait. Each message with a valid key is a `Member`. The consumer
 (:meth:`IdempotentConsumer.process_batch <consumer_idem.consumer.IdempotentConsumer.process_batch>`)
 falls back to one message per transaction when any step raises.
 """
@@ -120,7 +120,7 @@ class BatchUnit:
     async def claim(self, conn: asyncpg.Connection) -> str:
         """BEGIN and claim every key at once; a key the set-based claim did not take is
         reserved one by one (its record decides). When a member must wait, every claim is
-        rolled back (:attr:`cut`). Returns the mark the COMMIT checks."""
+        rolled back (`cut`). Returns the mark the COMMIT checks."""
         try:
             mark = new_mark()  # checked by the COMMIT: the handler must not end this
             begin = f"BEGIN; {mark_sql(mark)}"

@@ -1,10 +1,10 @@
 """One engine for the claim: each atomic phase of the two execution modes, written once.
 
-:func:`~consumer_idem.execution.run_transactional` and the HTTP middleware
-(:mod:`consumer_idem.http`) drive :class:`TransactionalClaim`; the middleware's two-phase routes
-drive :class:`TwoPhaseClaim`. These objects own the transaction and the record's state change,
+[`run_transactional`][consumer_idem.execution.run_transactional] and the HTTP middleware
+(`consumer_idem.http`) drive `TransactionalClaim`; the middleware's two-phase routes
+drive `TwoPhaseClaim`. These objects own the transaction and the record's state change,
 so a fix to either lands in one place. Every COMMIT they rely on is an explicit ``COMMIT`` whose
-tag is checked (:mod:`consumer_idem.commit`): a transaction the work aborted (an error caught
+tag is checked (`consumer_idem.commit`): a transaction the work aborted (an error caught
 without a savepoint) answers ``ROLLBACK``, and that is a failure, never a completed record.
 
 Transactional: claim, the work on the claim's connection, completion and COMMIT are one
@@ -27,8 +27,8 @@ commits in a second transaction with any local writes::
     ... result = await charge(claim.attempt.downstream_key) ...
     return await claim.complete(result, writes=[...])   # or fail_retryable(exc) / park(exc)
 
-Waiting for another owner (opt-in; HTTP ``wait=``): :func:`waiters_for` gives the store's
-:class:`CompletionWaiters`. While any request waits, one pooled connection LISTENs; the
+Waiting for another owner (opt-in; HTTP ``wait=``): `waiters_for` gives the store's
+`CompletionWaiters`. While any request waits, one pooled connection LISTENs; the
 transaction that settles a key NOTIFYs in its own COMMIT (only where waiting is enabled:
 ``notify=True``), so a waiter neither polls the database hard nor holds a connection.
 """
@@ -105,16 +105,19 @@ class TransactionalClaim:
     """The transactional atomic phase on ``conn`` (a connection not in a transaction).
 
     Entering it BEGINs and claims the key in one round trip (a key that has a row goes through
-    :meth:`PostgresStore.reserve` in the same transaction). ``decision`` is then ``None`` when
+    [`PostgresStore.reserve`][consumer_idem.PostgresStore.reserve] in the same transaction).
+    ``decision`` is then ``None`` when
     this phase owns the key, else the reservation's answer (its transaction is already
-    committed). Leaving it with an exception, or without :meth:`complete` / :meth:`fail`, rolls
+    committed). Leaving it with an exception, or without `complete` / `fail`, rolls
     back: nothing of the attempt stays.
 
     ``lock_timeout_ms`` bounds the wait for a concurrent claim of the same key: its expiry (at
-    the claim, or inside the reservation) raises :class:`KeyInFlight`. ``domain_errors``: a
-    :class:`DomainError` passed to :meth:`fail` is stored as a completed result (consumers) or
+    the claim, or inside the reservation) raises [`KeyInFlight`][consumer_idem.KeyInFlight].
+    ``domain_errors``: a
+    [`DomainError`][consumer_idem.DomainError] passed to `fail` is stored as a completed result
+    (consumers) or
     is a plain failure (HTTP stores its 4xx responses instead). ``notify``: settle with a NOTIFY
-    for :class:`CompletionWaiters`.
+    for `CompletionWaiters`.
     """
 
     def __init__(
@@ -215,10 +218,10 @@ class TransactionalClaim:
         encoded: Any = _UNSET,
         response: StoredResponse | None = None,
     ) -> Outcome:
-        """Store ``result`` (``encoded``: its :func:`encode_result`, when already computed) and
+        """Store ``result`` (``encoded``: its `encode_result`, when already computed) and
         ``response``, then COMMIT, checking that Postgres committed. When it did not (the work
         aborted the transaction, a deferred constraint or a serialization failure refused the
-        commit) the attempt is rolled back and recorded by :meth:`fail`: the outcome is then
+        commit) the attempt is rolled back and recorded by `fail`: the outcome is then
         ``failed_retryable``, never ``executed``, and nothing is cached."""
         with tracing.step("commit") as span:
             outcome = await self._complete(result, encoded, response)
@@ -406,7 +409,8 @@ class TransactionalClaim:
         self, exc: BaseException, error: str | None = None, *, _our_commit: bool = False
     ) -> Outcome:
         """ROLLBACK (nothing of the attempt stays), then record why on the same connection:
-        :class:`Ambiguous` -> ``unknown``; a :class:`DomainError` (with ``domain_errors``) ->
+        [`Ambiguous`][consumer_idem.Ambiguous] -> ``unknown``; a
+        [`DomainError`][consumer_idem.DomainError] (with ``domain_errors``) ->
         ``completed`` with its result; anything else -> ``failed_retryable``, which the next
         attempt re-acquires. ``error`` overrides the text stored as ``last_error``. A
         cancellation is re-raised once rolled back (the redelivery runs it). Idempotent."""

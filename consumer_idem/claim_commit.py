@@ -29,7 +29,7 @@ class Refused(Exception):
 
 async def checked_commit(store: PostgresStore, conn: Any, scope: str, commit: Awaitable[T]) -> T:
     """Await ``commit`` (a completion ending in a checked COMMIT) and classify its failure:
-    :class:`Refused` when the server did not commit, the store's error when it is down."""
+    `Refused` when the server did not commit, the store's error when it is down."""
     try:
         return await commit
     except (CommitRolledBack, StoreRejected) as exc:
@@ -60,7 +60,7 @@ async def checked_commit(store: PostgresStore, conn: Any, scope: str, commit: Aw
 
 def work_outage(store: PostgresStore, exc: BaseException) -> bool:
     """``exc``, met while the work's local writes ran with the completion, is one to wait out:
-    for a driver error, as for a handler's own statement (:func:`is_database_outage`: its
+    for a driver error, as for a handler's own statement (`is_database_outage`: its
     syntax error is its own failure); for anything else, as the store sees it."""
     if isinstance(exc, asyncpg.PostgresError | asyncpg.InterfaceError):
         return is_database_outage(exc)

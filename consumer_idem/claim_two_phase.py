@@ -1,6 +1,6 @@
 """The two-phase atomic phase: the claim commits with a lease, the I/O runs outside any
 transaction, the completion commits in a second transaction with any local writes (see
-:mod:`consumer_idem.claim`). Re-exported from ``consumer_idem.claim``."""
+`consumer_idem.claim`). Re-exported from ``consumer_idem.claim``."""
 
 from __future__ import annotations
 
@@ -62,10 +62,10 @@ _NOW = {
 class TwoPhaseClaim:
     """The two atomic phases around external I/O, for one attempt of (scope, key).
 
-    Phase one, :meth:`reserve`, commits the claim with a lease. The work then runs outside any
+    Phase one, `reserve`, commits the claim with a lease. The work then runs outside any
     transaction (``attempt.downstream_key`` goes to the far side). Phase two settles it:
-    :meth:`complete` (local ``writes``, the result and an HTTP response in one transaction with a
-    checked COMMIT), :meth:`fail_retryable` (provably not executed) or :meth:`park` (may have
+    `complete` (local ``writes``, the result and an HTTP response in one transaction with a
+    checked COMMIT), `fail_retryable` (provably not executed) or `park` (may have
     executed: ``unknown``). Every write is fenced by the owner token: when the lease was lost,
     the outcome is what the record says now, and this attempt reports nothing of its own.
     """
@@ -128,7 +128,8 @@ class TwoPhaseClaim:
         A completion that cannot be committed for a reason waiting will not cure (a write
         failed or aborted the transaction, the result cannot be stored) parks the record as
         ``unknown``: the external effect happened, its local record did not. An outage raises
-        :class:`StoreUnavailable`; the record keeps its lease, and the sweeper parks it when
+        [`StoreUnavailable`][consumer_idem.StoreUnavailable]; the record keeps its lease, and the
+        sweeper parks it when
         the lease runs out. Never re-run."""
         with tracing.step("commit") as span:
             done = await self._complete_step(

@@ -3,15 +3,15 @@
 A handler can also end it behind the library's back (``ROLLBACK; BEGIN`` to "recover" from an
 error, or an early ``COMMIT``): the claim is then gone, or committed before the work, and a
 COMMIT of the new transaction would report success for work no record guards. So every
-transaction the library opens carries a transaction-local mark (:func:`mark_sql`), checked in
-the same round trip as its COMMIT (:func:`check_sql`): a transaction without it is refused.
-Handlers recover from an error with :func:`savepoint`.
+transaction the library opens carries a transaction-local mark (`mark_sql`), checked in
+the same round trip as its COMMIT (`check_sql`): a transaction without it is refused.
+Handlers recover from an error with [`savepoint`][consumer_idem.commit.savepoint].
 
 PostgreSQL answers ``COMMIT`` on an aborted transaction (a statement failed and the handler
 swallowed the error without a savepoint) with the command tag ``ROLLBACK`` and no error. Taking
 that for success acks a message whose effect never committed. Every commit therefore goes
-through :func:`commit` (or :func:`execute_and_commit` for a statement batched with its COMMIT),
-which reads the tag and raises :class:`CommitRolledBack`.
+through `commit` (or `execute_and_commit` for a statement batched with its COMMIT),
+which reads the tag and raises [`CommitRolledBack`][consumer_idem.CommitRolledBack].
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ log = logging.getLogger("consumer_idem.commit")
 
 
 def check_commit_tag(tag: str) -> None:
-    """Raise :class:`CommitRolledBack` unless ``tag`` (a status string) is ``COMMIT``."""
+    """Raise [`CommitRolledBack`][consumer_idem.CommitRolledBack] unless ``tag`` (a status string)
+    is ``COMMIT``."""
     if tag != "COMMIT":
         raise CommitRolledBack(
             f"PostgreSQL answered COMMIT with {tag!r}: the transaction had been aborted "
@@ -41,7 +42,8 @@ def check_commit_tag(tag: str) -> None:
 
 
 async def commit(conn: Any) -> None:
-    """``COMMIT`` on ``conn``; raises :class:`CommitRolledBack` if the server rolled back."""
+    """``COMMIT`` on ``conn``; raises [`CommitRolledBack`][consumer_idem.CommitRolledBack] if the
+    server rolled back."""
     check_commit_tag(await conn.execute("COMMIT"))
 
 
@@ -113,7 +115,7 @@ def check_sql(mark: str) -> str:
 
 
 def prepare_check_sql(name: str, *also: str) -> str:
-    """:func:`check_sql` as a server-side prepared statement ``name`` taking the mark: a
+    """`check_sql` as a server-side prepared statement ``name`` taking the mark: a
     connection that sends one unit after another would otherwise parse and plan the check for
     each (measured: about a fifth of Postgres' CPU per unit, with eight units at once).
     ``also``: more output columns (expressions over the mark, ``$1``), evaluated only when the
@@ -122,12 +124,12 @@ def prepare_check_sql(name: str, *also: str) -> str:
 
 
 def run_check_sql(name: str, mark: str) -> str:
-    """Run the check prepared as ``name`` (see :func:`prepare_check_sql`) for ``mark``."""
+    """Run the check prepared as ``name`` (see `prepare_check_sql`) for ``mark``."""
     return f"EXECUTE {name}('{mark}')"
 
 
 def mark_lost(exc: BaseException | None) -> bool:
-    """Did ``exc`` (or an error it was raised from) come from a failed :func:`check_sql`?"""
+    """Did ``exc`` (or an error it was raised from) come from a failed `check_sql`?"""
     return any(MARK_LOST in str(e) for e in _causes(exc))
 
 

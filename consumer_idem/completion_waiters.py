@@ -1,6 +1,6 @@
-"""Waiting for another owner of a key (opt-in; HTTP ``wait=``): :func:`waiters_for` gives the
-store's :class:`CompletionWaiters`. While any request waits, one pooled connection LISTENs; the
-transaction that settles a key NOTIFYs in its own COMMIT (:func:`notify_sql`, only where
+"""Waiting for another owner of a key (opt-in; HTTP ``wait=``): `waiters_for` gives the
+store's `CompletionWaiters`. While any request waits, one pooled connection LISTENs; the
+transaction that settles a key NOTIFYs in its own COMMIT (`notify_sql`, only where
 waiting is enabled), so a waiter neither polls the database hard nor holds a connection.
 Re-exported from ``consumer_idem.claim``."""
 
@@ -55,7 +55,7 @@ class CompletionWaiters:
 
     Behind a transaction pooler (``pooler="transaction"``) nobody listens: a LISTEN needs one
     server connection for as long as it lasts. Waiters then only re-check, more often
-    (:attr:`poll_cap`).
+    (`poll_cap`).
     """
 
     def __init__(self, store: PostgresStore) -> None:

@@ -1,6 +1,7 @@
 """``@idempotent_consumer``: the transport-agnostic core of an idempotent message handler.
 
-The decorated object turns a :class:`ConsumerMessage` into a :class:`Verdict`: what the
+The decorated object turns a [`ConsumerMessage`][consumer_idem.ConsumerMessage] into a
+[`Verdict`][consumer_idem.consumer.Verdict]: what the
 transport must do with the delivery (ack, retry later without acking, dead-letter with a reason,
 or publish a reconciliation notice and then ack). The transports
 (``consumer_idem.transports.kafka``, ``consumer_idem.transports.rabbit``,
@@ -66,7 +67,7 @@ BatchHandler = Callable[
 
 
 class IdempotentConsumer:
-    """A handler made idempotent. Call :meth:`process` (or :meth:`process_batch`) per delivery;
+    """A handler made idempotent. Call `process` (or `process_batch`) per delivery;
     the transports do that for you."""
 
     def __init__(
@@ -289,7 +290,7 @@ class IdempotentConsumer:
         """Run one delivery through the store (one transaction in transactional mode).
         ``conn``: a connection to use instead of a pooled one (transactional mode). ``rider``:
         a statement committed with the completion (transactional mode; see
-        :func:`~consumer_idem.execution.run_transactional`)."""
+        [`run_transactional`][consumer_idem.execution.run_transactional])."""
         with tracing.delivery(self, message) as span:
             prepared = self.prepare(message)
             if isinstance(prepared, Verdict):
@@ -313,7 +314,7 @@ class IdempotentConsumer:
         conn: asyncpg.Connection | None = None,
         rider: Rider | None = None,
     ) -> Verdict:
-        """:meth:`process` after :meth:`prepare`: for a transport that needs the key first."""
+        """`process` after `prepare`: for a transport that needs the key first."""
         with tracing.delivery(self, message) as span:
             return span.done(await self._execute(message, key, fingerprint, conn, rider))
 
@@ -379,7 +380,7 @@ class IdempotentConsumer:
         The list stops at the first RETRY: what follows must wait for it, to keep the order.
         In batch mode the whole run is claimed, handled and completed in one transaction; if any
         part of that fails, it falls back to one message per transaction. ``hook``: the
-        runner's progress, committed with the transactions (see :class:`CommitHook`).
+        runner's progress, committed with the transactions (see `CommitHook`).
         ``alongside``: the transport's own preparation of the batch for its handler, run
         while the batch's claim is in flight in Postgres (its failure is ignored: it must be
         work the handler's call would otherwise do itself).
@@ -513,12 +514,14 @@ def idempotent_consumer(
     * ``mode="transactional"`` (default): ``async def handler(message, conn)`` does its writes on
       ``conn``; they commit in the same transaction as the idempotency record.
     * ``mode="two_phase"``: ``async def handler(message, attempt)`` does external I/O under a
-      lease; raise :class:`Retryable`, :class:`Ambiguous` or :class:`DomainError` to classify
+      lease; raise [`Retryable`][consumer_idem.Retryable], [`Ambiguous`][consumer_idem.Ambiguous] or
+      [`DomainError`][consumer_idem.DomainError] to classify
       failures. ``local_writes(conn, result)`` commits local rows with the completion.
     * ``batch=True`` (transactional): ``async def handler(messages, conn) -> results | None``
       handles a whole fetched run in one transaction (use ``executemany``).
 
-    The other keyword arguments are the fields of :class:`ConsumerOptions` (key strategy,
+    The other keyword arguments are the fields of [`ConsumerOptions`][consumer_idem.ConsumerOptions]
+    (key strategy,
     payload, fingerprint fields, attempts, lease, retention, backoff), checked here: a bad
     combination fails at decoration time, not on the first message.
     """

@@ -1,5 +1,5 @@
 """The library's exceptions, all defined here. Every one it raises sits under
-:class:`ConsumerIdemError`::
+[`ConsumerIdemError`][consumer_idem.errors.ConsumerIdemError]::
 
 ConsumerIdemError
 ├── ConfigurationError (ValueError)  set up so it could not keep its promise (at start-up)
@@ -244,7 +244,8 @@ class SchemaMissing(ConsumerIdemError):
 
 class StoreRejected(ConsumerIdemError):
     """The store is up but refused the operation for a reason that retrying cannot fix (data
-    PostgreSQL will not accept, a constraint of ours violated). Unlike :class:`StoreUnavailable`
+    PostgreSQL will not accept, a constraint of ours violated). Unlike
+    [`StoreUnavailable`][consumer_idem.errors.StoreUnavailable]
     it is not waited out: the delivery is dead-lettered with reason ``store_rejected``."""
 
     reason = "store_rejected"

@@ -1,10 +1,14 @@
 """The two execution modes: how a unit of work runs around a reservation.
 
-* :func:`run_transactional` — the effect lives in the same Postgres: claim, handler, completion
+* [`run_transactional`][consumer_idem.execution.run_transactional] — the effect lives in the same
+Postgres: claim, handler, completion
   and COMMIT are one transaction. A crash anywhere before COMMIT leaves neither row nor effect.
-* :func:`run_two_phase` — the effect is external I/O: the claim commits with a lease, the I/O
+* [`run_two_phase`][consumer_idem.execution.run_two_phase] — the effect is external I/O: the claim
+commits with a lease, the I/O
   runs outside any transaction, and the completion commits in a second transaction. Failures are
-  classified (:class:`Retryable`, :class:`Ambiguous`, :class:`DomainError`); anything else is
+  classified ([`Retryable`][consumer_idem.execution.Retryable],
+  [`Ambiguous`][consumer_idem.Ambiguous], [`DomainError`][consumer_idem.execution.DomainError]);
+  anything else is
   ambiguous, because the I/O may already have started.
 """
 
@@ -67,18 +71,20 @@ async def run_transactional(
     The handler gets the open connection and must do its database writes on it. Its return
     value (JSON-serialisable) is stored as the result. A concurrent duplicate blocks on the
     unique index until this commits, then replays. If the handler raises, everything rolls back:
-    :class:`DomainError` is stored as a completed domain-error result, :class:`Ambiguous` parks
+    [`DomainError`][consumer_idem.execution.DomainError] is stored as a completed domain-error
+    result, [`Ambiguous`][consumer_idem.Ambiguous] parks
     the key as ``unknown``, anything else is ``failed_retryable`` (nothing was committed). So is
     a COMMIT PostgreSQL did not carry out (the handler caught a database error without a
     savepoint and returned: COMMIT answers ``ROLLBACK``): never ``executed``, never cached. The
-    sequence is :class:`~consumer_idem.claim.TransactionalClaim`, shared with HTTP.
+    sequence is `TransactionalClaim`, shared with HTTP.
 
     A new key costs three round trips, like the handler's write alone (BEGIN+claim, the
     handler's statements, result+COMMIT); a key that already has a row goes through
-    :meth:`PostgresStore.reserve` inside the same transaction. Pass ``conn`` (not in a
+    [`PostgresStore.reserve`][consumer_idem.PostgresStore.reserve] inside the same transaction. Pass
+    ``conn`` (not in a
     transaction) to run on a connection you hold, e.g. one per consumer worker, instead of a
     pooled one. ``rider``: a statement of yours committed with the completion, in the same
-    round trip (see :class:`~consumer_idem.commit.Rider`).
+    round trip (see `Rider`).
     """
     scope, key = store.check(scope, key)
     cached = await store.cached_decision(scope, key, fingerprint)
@@ -114,10 +120,12 @@ async def run_two_phase(
     """Claim with a lease, run ``action(attempt)`` outside any transaction, then complete.
 
     ``local_writes(conn, result)``, if given, runs in the completion's transaction, so local rows
-    commit with the completion. Outcomes by exception: :class:`Retryable` -> ``failed_retryable``;
-    :class:`DomainError` -> ``completed`` with the error result; :class:`PoisonMessage` (raise
+    commit with the completion. Outcomes by exception:
+    [`Retryable`][consumer_idem.execution.Retryable] -> ``failed_retryable``;
+    [`DomainError`][consumer_idem.execution.DomainError] -> ``completed`` with the error result;
+    [`PoisonMessage`][consumer_idem.execution.PoisonMessage] (raise
     it before the external call) -> the key as it was, the delivery dead-lettered;
-    :class:`Ambiguous` or any other
+    [`Ambiguous`][consumer_idem.Ambiguous] or any other
     exception (the I/O may have started, including a builtin ``TimeoutError`` or
     ``ConnectionError``) -> ``unknown``. Cancellation also parks as ``unknown``. A completion
     that cannot be written after the action succeeded (local writes failed, the commit rolled
@@ -125,7 +133,7 @@ async def run_two_phase(
 
     Whenever a write of this attempt finds its lease gone (the lease expired and the record was
     parked, resolved or evicted), the outcome is what the record says now; this attempt reports
-    nothing of its own. The sequence is :class:`~consumer_idem.claim.TwoPhaseClaim`, shared
+    nothing of its own. The sequence is `TwoPhaseClaim`, shared
     with HTTP.
     """
     scope, key = store.check(scope, key)

@@ -1,7 +1,8 @@
 """What to install when an integration's library is missing.
 
 Each integration module starts by importing the library its extra brings; without it the
-import fails with :class:`MissingExtra`, which names the ``pip install`` that fixes it
+import fails with [`MissingExtra`][consumer_idem.extras.MissingExtra], which names the ``pip
+install`` that fixes it
 instead of a bare ``ModuleNotFoundError``::
 
     try:
@@ -29,7 +30,8 @@ class MissingExtra(ImportError):
 
 
 def missing(extra: str, exc: ImportError, module: str) -> ImportError:
-    """The error to raise for ``exc``: :class:`MissingExtra` naming ``extra`` when the missing
+    """The error to raise for ``exc``: [`MissingExtra`][consumer_idem.extras.MissingExtra] naming
+    ``extra`` when the missing
     module is that extra's library (or part of it); ``exc`` itself otherwise (another library
     missing is not fixed by this extra)."""
     library = LIBRARIES[extra]

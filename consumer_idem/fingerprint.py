@@ -4,7 +4,7 @@ JSON payloads are canonicalised with RFC 8785 (JSON Canonicalization Scheme, via
 package) and hashed with SHA-256; anything else is hashed as raw bytes. The value carries a
 version prefix so the scheme can evolve without turning old keys into false misuse reports.
 
-JSON nested deeper than :data:`MAX_DEPTH` has no canonical form here: it is hashed as its raw
+JSON nested deeper than `MAX_DEPTH` has no canonical form here: it is hashed as its raw
 bytes. The limit is a fixed rule, not the interpreter's recursion limit, so the same payload
 gets the same fingerprint however deep the caller's stack is (a hostile ``[[[[...`` body is a
 fingerprint, never a ``RecursionError``).
@@ -56,7 +56,7 @@ _encode_plain = _PLAIN_ENCODER.encode
 
 def _plain(value: Any) -> bool:
     """Is ``value`` made only of dicts (string keys without characters beyond U+FFFF), lists,
-    strings, integers within +-(2**53 - 1), booleans and None, at most :data:`MAX_DEPTH` deep?
+    strings, integers within +-(2**53 - 1), booleans and None, at most `MAX_DEPTH` deep?
 
     For such a value the standard library's encoder (sorted keys, no spaces, no ASCII escaping)
     writes exactly the RFC 8785 bytes: strings are escaped the same way (quote, backslash, the
@@ -100,7 +100,7 @@ def _plain_scalar(value: Any) -> bool:
 
 def canonical_json(value: Any) -> bytes:
     """RFC 8785 canonical bytes of a JSON value (raises ``ValueError`` for non-JSON values and
-    for values nested deeper than :data:`MAX_DEPTH`)."""
+    for values nested deeper than `MAX_DEPTH`)."""
     if _plain(value):
         # the common case, in C (the pure-Python serialiser was a third of a batch's CPU)
         try:
@@ -149,7 +149,7 @@ def parse_json(body: bytes) -> Any:
 def fingerprint_payload(body: bytes, fields: Iterable[str] | None = None) -> str:
     """JSON bodies are fingerprinted canonically (key order and spacing do not matter);
     anything that is not JSON, or JSON that RFC 8785 cannot canonicalise (an integer beyond
-    +-2**53, nesting deeper than :data:`MAX_DEPTH`), falls back to its raw bytes."""
+    +-2**53, nesting deeper than `MAX_DEPTH`), falls back to its raw bytes."""
     try:
         return fingerprint_json(parse_json(body), fields)
     except ValueError:  # UnicodeDecodeError is a ValueError

@@ -7,14 +7,15 @@ serializers, datetimes and UUIDs as strings), a dataclass instance as an object 
 back, decoded: a dict, not the model.
 
 The everyday values of ``numeric``, ``timestamptz``, ``date``, ``time`` and ``uuid`` columns
-are stored as JSON strings: a :class:`~decimal.Decimal` and a :class:`~uuid.UUID` as ``str()``
-(``"12.50"``, ``"0b9c…"``), a :class:`~datetime.datetime`, :class:`~datetime.date` and
-:class:`~datetime.time` in ISO 8601 (``"2026-11-27T23:05:00+00:00"``), an :class:`~enum.Enum`
+are stored as JSON strings: a `Decimal` and a `UUID` as ``str()``
+(``"12.50"``, ``"0b9c…"``), a `datetime`, `date` and
+`time` in ISO 8601 (``"2026-11-27T23:05:00+00:00"``), an `Enum`
 as its value (encoded the same way), at any depth. **A replay returns those strings**, not
 the typed values: the first delivery's handler returns ``Decimal("12.50")``, a duplicate gets
 ``"12.50"`` back.
 
-Anything else is refused with :class:`~consumer_idem.errors.UnstorableResult`, naming what and
+Anything else is refused with [`UnstorableResult`][consumer_idem.errors.UnstorableResult], naming
+what and
 why: a value JSON cannot hold (NaN, bytes, an arbitrary object), and an ORM object, which is a
 view of rows rather than a value (turn it into a model first:
 ``OrderOut.model_validate(order, from_attributes=True)``). The refusal is deterministic: the
@@ -37,7 +38,8 @@ __all__ = ["to_json_text"]
 
 
 def to_json_text(result: Any) -> str:
-    """``result`` as compact JSON text (UTF-8 safe); raises :class:`UnstorableResult`."""
+    """``result`` as compact JSON text (UTF-8 safe); raises
+    [`UnstorableResult`][consumer_idem.jsonable.UnstorableResult]."""
     try:
         text = json.dumps(
             result, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=_convert

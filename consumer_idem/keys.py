@@ -18,7 +18,7 @@ def _has_control(text: str) -> bool:
 
 
 def normalize_key(raw: str | bytes, *, hash_invalid: bool = False) -> str:
-    """Return the key to store, or raise :class:`InvalidKey`.
+    """Return the key to store, or raise [`InvalidKey`][consumer_idem.InvalidKey].
 
     A key must be non-empty valid UTF-8, at most 255 characters, without control characters.
     With ``hash_invalid=True`` an over-long key, or one with control characters or invalid UTF-8,

@@ -38,7 +38,8 @@ class ConsumerMessage:
     _prepared: Any = field(default=None, repr=False, compare=False)
 
     def json(self) -> Any:
-        """The body decoded as JSON (decoded once); raises :class:`InvalidPayload` if it is not
+        """The body decoded as JSON (decoded once); raises
+        [`InvalidPayload`][consumer_idem.InvalidPayload] if it is not
         JSON. Treat the value as read-only: it is shared by every caller."""
         if self._decoded is _UNDECODED:
             try:

@@ -5,8 +5,9 @@ and the CLI can read them.
 Labels are bounded: a consumer scope names a consumer (a handful per service), but an HTTP
 record scope embeds its caller (``http:<caller>:<METHOD> <route>``), and one series per user
 would grow without end. Every scope therefore goes through ``label`` (by default
-:func:`bounded_scope`, which drops the caller) before it becomes a label or an in-process key.
-HTTP requests are counted by route template, method and outcome (:meth:`Metrics.http_request`).
+`bounded_scope`, which drops the caller) before it becomes a label or an in-process key.
+HTTP requests are counted by route template, method and outcome
+([`Metrics.http_request`][consumer_idem.metrics.Metrics.http_request]).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class Metrics:
     observes latencies per operation.
 
     ``registry`` is the ``prometheus_client.CollectorRegistry`` to export to (default: the
-    library's global one). ``label`` maps a scope to its label (default :func:`bounded_scope`).
+    library's global one). ``label`` maps a scope to its label (default `bounded_scope`).
     """
 
     def __init__(

@@ -10,7 +10,7 @@ record key (the copy lands on the same partition, and a ``header``/``payload`` k
 its coordinates as ``x-original-topic/-partition/-offset`` headers when it has none yet (so
 ``kafka_coordinates()`` yields the original's key for the copy too), and the AMQP properties
 (``message_id`` for ``amqp_message_id()``, ``correlation_id``, ``content_type``, ``type``...).
-The same :class:`Notice` is what the re-dispatch outbox keeps. Notices written before these
+The same `Notice` is what the re-dispatch outbox keeps. Notices written before these
 fields existed still decode (without them).
 """
 
@@ -172,7 +172,7 @@ def encode_notice(
     original: ConsumerMessage | None = None,
     properties: Mapping[str, Any] | None = None,
 ) -> bytes:
-    """:func:`make_notice`, encoded as JSON (what is published)."""
+    """`make_notice`, encoded as JSON (what is published)."""
     return encode(
         make_notice(scope, key, reason, source=source, original=original, properties=properties)
     )

@@ -1,9 +1,12 @@
 """The options every consumer entry point shares, defined once.
 
-:class:`ConsumerOptions` is the one definition (types, defaults, checks).
-``@idempotent_consumer``, :class:`~consumer_idem.consumer.IdempotentConsumer` and FastStream's
-:class:`~consumer_idem.faststream.Idempotency` all take it, or its fields as keyword arguments
-(:class:`ConsumerArgs` types them for those signatures).
+[`ConsumerOptions`][consumer_idem.options.ConsumerOptions] is the one definition (types, defaults,
+checks).
+``@idempotent_consumer``, [`IdempotentConsumer`][consumer_idem.consumer.IdempotentConsumer] and
+FastStream's
+[`Idempotency`][consumer_idem.faststream.Idempotency] all take it, or its fields as keyword
+arguments
+(`ConsumerArgs` types them for those signatures).
 """
 
 from __future__ import annotations
@@ -80,7 +83,8 @@ class ConsumerOptions:
 
 
 class ConsumerArgs(TypedDict, total=False):
-    """The fields of :class:`ConsumerOptions` other than ``scope``, ``mode`` and ``batch``, as
+    """The fields of [`ConsumerOptions`][consumer_idem.options.ConsumerOptions] other than
+    ``scope``, ``mode`` and ``batch``, as
     typed keyword arguments (``**options: Unpack[ConsumerArgs]``). A test keeps the two in step."""
 
     key: KeyStrategy
@@ -95,6 +99,7 @@ class ConsumerArgs(TypedDict, total=False):
 
 
 def option_names() -> set[str]:
-    """The names :class:`ConsumerOptions` takes (for the check that :class:`ConsumerArgs`
+    """The names [`ConsumerOptions`][consumer_idem.options.ConsumerOptions] takes (for the check
+    that `ConsumerArgs`
     lists the same)."""
     return {f.name for f in fields(ConsumerOptions)}

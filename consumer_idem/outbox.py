@@ -12,7 +12,7 @@ duplicate does not run the handler, so it publishes nothing::
 
 How a handler reaches its unit's outbox, per entry point (the unit is found by its connection):
 
-* ``@idempotent_consumer`` / :func:`~consumer_idem.execution.run_transactional`:
+* ``@idempotent_consumer`` / [`run_transactional`][consumer_idem.execution.run_transactional]:
   ``outbox_for(conn)``; in batch mode ``outbox_for(conn, message)`` (each message is a unit);
 * HTTP (transactional routes): ``consumer_idem.http.outbox_of(request)`` (also a FastAPI
   dependency: ``outbox: UnitOutbox = Depends(outbox_of)``);
@@ -20,24 +20,28 @@ How a handler reaches its unit's outbox, per entry point (the unit is found by i
 * a SQLAlchemy session bound to the unit: ``outbox_for(connection_of(session))``.
 
 After the COMMIT, the process that ran the unit sends its messages at once (an
-:class:`OutboxDispatcher` attached to the store, e.g. by a runner) and marks them sent. A relay
-(:class:`OutboxRelay`, ``FOR UPDATE SKIP LOCKED``: run it in as many processes as you like) sends
+[`OutboxDispatcher`][consumer_idem.outbox.OutboxDispatcher] attached to the store, e.g. by a runner)
+and marks them sent. A relay
+([`OutboxRelay`][consumer_idem.outbox.OutboxRelay], ``FOR UPDATE SKIP LOCKED``: run it in as many
+processes as you like) sends
 what a crash, an outage or a full dispatch queue left behind, once the committing process has
-had ``store.outbox.relay_after`` to do it. :class:`OutboxService` runs both for a process.
+had ``store.outbox.relay_after`` to do it. [`OutboxService`][consumer_idem.outbox.OutboxService]
+runs both for a process.
 
 What it promises: every message of a committed unit is sent at least once (a crash between the
 broker's confirmation and the mark sends it again), and never one of a unit that did not commit.
 Each carries an ``idempotency-key`` header derived from the unit's scope, key, run and the
-message's position in the unit (:func:`outgoing_key`), the same on every copy: a consumer using this
+message's position in the unit ([`outgoing_key`][consumer_idem.outbox.outgoing_key]), the same on
+every copy: a consumer using this
 library (``header("idempotency-key")``, the default key strategy) drops the copies for free.
 Messages of one unit to one destination with one key are sent in the order they were
 published. A message the broker refuses for good is parked with its reason
-(``consumer-idem stats``, :meth:`~consumer_idem.stores.postgres.outbox.Outbox.parked`), never
+(``consumer-idem stats``, `parked`), never
 dropped; it does not hold back the later ones.
 
-This module finds a unit's outbox by its connection; sending is in :mod:`.outbox_send`, the
-dispatch right after the commit in :mod:`.outbox_dispatch`, the relay and the service in
-:mod:`.outbox_relay` (all re-exported here).
+This module finds a unit's outbox by its connection; sending is in `.outbox_send`, the
+dispatch right after the commit in `.outbox_dispatch`, the relay and the service in
+`.outbox_relay` (all re-exported here).
 """
 
 from __future__ import annotations
@@ -150,7 +154,8 @@ _running: dict[Any, _Units] = {}
 def outbox_for(conn: Any, message: Any = None) -> UnitOutbox:
     """The outbox of the idempotent unit running on ``conn`` (the connection a transactional
     handler was given). In batch mode pass the ``message`` the outgoing one belongs to: each
-    message of a batch is its own unit. Raises :class:`NoOutbox` when no unit runs on ``conn``
+    message of a batch is its own unit. Raises [`NoOutbox`][consumer_idem.outbox.NoOutbox] when no
+    unit runs on ``conn``
     (it is not the unit's connection, the unit has ended, or it is two-phase)."""
     units = _running.get(conn)
     if units is None:

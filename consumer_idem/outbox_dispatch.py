@@ -1,4 +1,5 @@
-"""Right after the COMMIT: the :class:`OutboxDispatcher` attached to a store sends what its
+"""Right after the COMMIT: the [`OutboxDispatcher`][consumer_idem.outbox_dispatch.OutboxDispatcher]
+attached to a store sends what its
 process's units committed, and the back-pressure that keeps its queue bounded."""
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class OutboxDispatcher:
     """Sends the messages of the units this process commits, right after each COMMIT, and
     marks them sent. Messages wait in an in-memory queue. While more than ``backlog`` wait, a
     consumer waits before its next delivery (at most ``max_wait`` seconds, holding no pooled
-    connection of its own: :func:`backpressure`), so it slows to the pace of the broker instead
+    connection of its own: [`backpressure`][consumer_idem.outbox_dispatch.backpressure]), so it
+    slows to the pace of the broker instead
     of filling memory. Beyond ``max_queued`` (the broker hangs) messages are left to the relay,
     as are those a crash or an outage leaves; nothing is lost, it is only later.
 
@@ -43,7 +45,9 @@ class OutboxDispatcher:
     ``batch`` messages, whichever comes first), and whatever commits while it is in flight
     goes in the next one. One broker request per message would cost the broker (and this
     process) as much as the unit itself; a few milliseconds of latency buys several messages
-    per request. Attach it with :func:`attach_dispatcher` (a runner does it for you)."""
+    per request. Attach it with
+    [`attach_dispatcher`][consumer_idem.outbox_dispatch.attach_dispatcher] (a runner does it for
+    you)."""
 
     def __init__(
         self,
@@ -217,8 +221,8 @@ def attach_dispatcher(
 ) -> OutboxDispatcher:
     """Send the messages of units of ``scopes`` (None: of any scope without a dispatcher of
     its own) committed in this process on ``store`` through ``sender``, right after their
-    COMMIT. The last one attached for a scope serves it; :func:`detach_dispatcher` undoes it.
-    ``options``: those of :class:`OutboxDispatcher`."""
+    COMMIT. The last one attached for a scope serves it; `detach_dispatcher` undoes it.
+    ``options``: those of [`OutboxDispatcher`][consumer_idem.outbox_dispatch.OutboxDispatcher]."""
     dispatcher = OutboxDispatcher(store, sender, **options)
     by_scope = _dispatchers.setdefault(store, {})
     for scope in [None] if scopes is None else list(scopes):
@@ -266,8 +270,8 @@ def committed(store: PostgresStore, messages: list[OutgoingMessage]) -> None:
 
 async def backpressure(store: PostgresStore, scope: str) -> None:
     """A consumer of ``scope``, between deliveries: wait while the dispatch it feeds has a long
-    backlog (:meth:`OutboxDispatcher.wait_for_room`). Call it holding no pooled connection: a
-    unit holding one while it waits would starve the dispatch's own marks."""
+    backlog (`OutboxDispatcher.wait_for_room`). Call it holding no pooled connection: a unit
+    holding one while it waits would starve the dispatch's own marks."""
     dispatcher = dispatcher_for(store, scope)
     if dispatcher is not None:
         await dispatcher.wait_for_room()

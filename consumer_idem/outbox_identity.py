@@ -4,14 +4,16 @@ A *run* is one execution of a unit (one incoming ``scope``/``key``) that may com
 draws a random id for it when it takes the key. A key runs once while its record lives; once
 the record is gone (pruned after the retention, or evicted by an operator) the same key is new
 work, and its next run's messages are new messages. So the ``idempotency-key`` of a message
-hashes the run with the unit and the position (:func:`outgoing_key`), and is stored with the
+hashes the run with the unit and the position
+([`outgoing_key`][consumer_idem.outbox_identity.outgoing_key]), and is stored with the
 row: every copy of one row (a dispatch, a relay's retries) carries the same key, and a later
 run's messages carry others.
 
 A *route* is the transport and broker a sender sends to, as the sender states it (its ``route``
 attribute: ``kafka:<bootstrap servers>``, ``amqp:<host:port>[/<vhost>]``). A row records the route
 of the sender serving its unit's scope when the unit ran, and a relay claims only rows of its
-own sender's route (:func:`route_of`), so a message is never sent through another transport or
+own sender's route ([`route_of`][consumer_idem.outbox_identity.route_of]), so a message is never
+sent through another transport or
 to another cluster than the one it was published for.
 """
 

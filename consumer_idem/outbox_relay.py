@@ -1,5 +1,6 @@
 """The relay of what the dispatch left behind (a crash, an outage, a full queue) and
-:class:`OutboxService`, which runs the dispatch and the relay for a process."""
+[`OutboxService`][consumer_idem.outbox_relay.OutboxService], which runs the dispatch and the relay
+for a process."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ log = logging.getLogger("consumer_idem.outbox")
 
 @dataclass(frozen=True, slots=True)
 class RelayReport:
-    """What one pass of an :class:`OutboxRelay` did (or, summed, several)."""
+    """What one pass of an [`OutboxRelay`][consumer_idem.outbox_relay.OutboxRelay] did (or, summed,
+    several)."""
 
     sent: int = 0  #: confirmed by the broker, marked sent
     failed: int = 0  #: not sent (an outage): due again after a backoff
@@ -208,8 +210,9 @@ class OutboxService:
             ...  # serve requests
 
     ``send_timeout``: how long a send may take before it counts as failed (both).
-    ``dispatch``: other options of :class:`OutboxDispatcher` (``linger``, ``backlog``...);
-    ``relay``: other options of :class:`OutboxRelay` (``retention``, ``batch``...)."""
+    ``dispatch``: other options of `OutboxDispatcher` (``linger``, ``backlog``...);
+    ``relay``: other options of [`OutboxRelay`][consumer_idem.outbox_relay.OutboxRelay]
+    (``retention``, ``batch``...)."""
 
     def __init__(
         self,

@@ -33,14 +33,15 @@ class OutboxSender(Protocol):
 
     A sender also states its ``route`` (a string attribute: the transport and the broker it
     sends to, e.g. ``kafka:<bootstrap servers>``), recorded with the messages it is to send;
-    a relay sends only messages of its sender's route (see :mod:`consumer_idem.outbox_identity`).
+    a relay sends only messages of its sender's route (see `consumer_idem.outbox_identity`).
     One without a ``route`` serves only relays that name their scopes."""
 
     async def send_batch(self, messages: Sequence[OutgoingMessage]) -> list[BaseException | None]:
         """Publish ``messages`` and wait for the broker's confirmations: for each, ``None``
-        (confirmed) or the error. Messages of one :attr:`OutgoingMessage.group` go in order,
+        (confirmed) or the error. Messages of one
+        [`OutgoingMessage.group`][consumer_idem.outbox.OutgoingMessage.group] go in order,
         and after one of them failed (not for good) the later ones are not sent
-        (:class:`HeldBack`)."""
+        ([`HeldBack`][consumer_idem.outbox_send.HeldBack])."""
         ...
 
     def permanent(self, exc: BaseException) -> bool:
@@ -113,7 +114,7 @@ def send_all(
     """A ``send_batch`` for a client that confirms one publish at a time (``send(message)``
     returns once the broker confirmed it): groups run side by side (at most ``concurrency``
     publishes at once), the messages of a group one after the other; after a failure that is
-    not for good, the rest of its group is :class:`HeldBack`."""
+    not for good, the rest of its group is [`HeldBack`][consumer_idem.outbox_send.HeldBack]."""
 
     async def run() -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(messages)

@@ -1,6 +1,7 @@
-"""The outbox of one idempotent unit (:class:`UnitOutbox`): what a handler publishes through it
-commits with the unit, or not at all. Re-exported by :mod:`consumer_idem.outbox`, which finds a
-running unit's outbox by its connection (:func:`~consumer_idem.outbox.outbox_for`)."""
+"""The outbox of one idempotent unit ([`UnitOutbox`][consumer_idem.outbox_unit.UnitOutbox]): what a
+handler publishes through it
+commits with the unit, or not at all. Re-exported by `consumer_idem.outbox`, which finds a
+running unit's outbox by its connection ([`outbox_for`][consumer_idem.outbox.outbox_for])."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def _as_bytes(value: str | bytes | bytearray | memoryview, what: str) -> bytes:
 
 class UnitOutbox:
     """The outbox of one idempotent unit (one incoming ``scope``/``key``): what a handler
-    publishes through it commits with the unit, or not at all. Get it with :func:`outbox_for`.
+    publishes through it commits with the unit, or not at all. Get it with
+    [`outbox_for`][consumer_idem.outbox_for].
 
     ``run``: this execution of the unit (a new one each time the key runs as new work);
     ``route``: the route of the sender serving its scope in this process (None: none)."""
@@ -59,9 +61,11 @@ class UnitOutbox:
         """Send ``body`` to ``destination`` (a Kafka topic, a RabbitMQ queue) once the unit
         commits. ``body``: bytes, text (UTF-8) or a JSON value (sent as compact JSON with a
         ``content-type: application/json`` header). ``key``: the Kafka record key (RabbitMQ
-        has none). The ``idempotency-key`` header is set here (:func:`outgoing_key`); passing
+        has none). The ``idempotency-key`` header is set here
+        ([`outgoing_key`][consumer_idem.outbox_unit.outgoing_key]); passing
         one of your own is an error. Nothing is sent now: returns the message as it will go.
-        Raises :class:`NoOutbox` once the unit has ended (kept past its handler, nothing
+        Raises [`NoOutbox`][consumer_idem.outbox_unit.NoOutbox] once the unit has ended (kept past
+        its handler, nothing
         published now could commit)."""
         if self.ended:
             raise NoOutbox(

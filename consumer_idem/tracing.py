@@ -3,8 +3,10 @@
 The library depends on ``opentelemetry-api`` only, and only when it is installed (the ``otel``
 extra). Without it every hook below is the undecorated function or an empty context manager: no
 import fails and nothing runs. With it, spans are made once a tracer provider is set (the SDK's,
-by ``opentelemetry.trace.set_tracer_provider`` or :func:`configure`); until then each hook costs
-one check. :func:`configure` turns tracing off, passes a provider, and chooses how keys appear.
+by ``opentelemetry.trace.set_tracer_provider`` or [`configure`][consumer_idem.tracing.configure]);
+until then each hook costs
+one check. [`configure`][consumer_idem.tracing.configure] turns tracing off, passes a provider, and
+chooses how keys appear.
 
 What a delivery looks like (span names; attributes in the README's "Tracing" section)::
 
@@ -19,15 +21,20 @@ The settle span is a child of the delivery span that starts when that one has en
 processes, then settles (Kafka a chunk of records at a time), so the verdict carries the span's
 context (``Verdict.trace_context``) to the settle path.
 
-A request through :class:`~consumer_idem.http.IdempotencyMiddleware` gets one span with the same
+A request through [`IdempotencyMiddleware`][consumer_idem.http.IdempotencyMiddleware] gets one span
+with the same
 children: an INTERNAL child of the request's span when an instrumentation (ASGI, FastAPI) made
 one, else a SERVER span of its own continuing the caller's ``traceparent``.
 
 The hooks are context managers around the work, each one ``with`` where it happens:
-:func:`delivery` (consumer ``process`` / ``execute``), :func:`batch` (a batch transaction),
-:func:`step` (a step of the claim engine or the handler call), :func:`settling` (the settle
-path), :func:`publishing` (a publish on it), :func:`request`, :func:`outcome` and
-:func:`http_status` (the HTTP middleware). Without a span to make, each gives one shared
+[`delivery`][consumer_idem.tracing.delivery] (consumer ``process`` / ``execute``),
+[`batch`][consumer_idem.tracing.batch] (a batch transaction),
+[`step`][consumer_idem.tracing.step] (a step of the claim engine or the handler call),
+[`settling`][consumer_idem.tracing.settling] (the settle
+path), [`publishing`][consumer_idem.tracing.publishing] (a publish on it),
+[`request`][consumer_idem.tracing.request], [`outcome`][consumer_idem.tracing.outcome] and
+[`http_status`][consumer_idem.tracing.http_status] (the HTTP middleware). Without a span to make,
+each gives one shared
 object that does nothing.
 """
 
@@ -103,7 +110,8 @@ def configure(
     ``enabled=False``: no span at all, even with a provider set. ``key``: how the idempotency
     key appears in the ``consumer_idem.key`` attribute: ``"hash"`` (default:
     ``sha256:`` and the first ``key_length`` hex digits of the key's SHA-256, see
-    :func:`key_attribute`), ``"truncate"`` (its first ``key_length`` characters), ``"plain"``
+    [`key_attribute`][consumer_idem.tracing.key_attribute]), ``"truncate"`` (its first
+    ``key_length`` characters), ``"plain"``
     (the whole key) or ``"omit"``. ``tracer_provider``: the provider to use instead of the
     global one (``opentelemetry.trace.get_tracer_provider()``)."""
     if key not in ("hash", "truncate", "plain", "omit"):

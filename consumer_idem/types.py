@@ -108,7 +108,7 @@ class Record:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """The answer of :meth:`PostgresStore.reserve`."""
+    """The answer of [`PostgresStore.reserve`][consumer_idem.PostgresStore.reserve]."""
 
     kind: DecisionKind
     record: Record

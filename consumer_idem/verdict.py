@@ -1,5 +1,6 @@
-"""What a transport must do with one delivery: the :class:`Verdict` the consumer gives, and the
-small contracts between the consumer and the runners (:class:`CommitHook`, :class:`Processor`).
+"""What a transport must do with one delivery: the [`Verdict`][consumer_idem.verdict.Verdict] the
+consumer gives, and the
+small contracts between the consumer and the runners (`CommitHook`, `Processor`).
 Re-exported from ``consumer_idem.consumer``, where they were first defined."""
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class CommitHook(Protocol):
         ...
 
     def committed(self, upto: ConsumerMessage) -> None:
-        """The transaction carrying :meth:`statement` for ``upto`` has committed."""
+        """The transaction carrying `statement` for ``upto`` has committed."""
         ...
 
 
@@ -107,7 +108,8 @@ def settled_by_commit(verdict: Verdict) -> bool:
 
 
 class Processor(Protocol):
-    """What a transport runner drives: an :class:`IdempotentConsumer`, or the reconciler."""
+    """What a transport runner drives: an [`IdempotentConsumer`][consumer_idem.IdempotentConsumer],
+    or the reconciler."""
 
     store: PostgresStore
     scope: str

@@ -2,12 +2,12 @@
 
 Every command reads the ``CONSUMER_IDEM_*`` settings, accepts ``--dsn``/``--schema`` overrides,
 prints for people by default and JSON with ``--json``, and ends with an exit code that tells
-the truth (:class:`~consumer_idem.cli.output.ExitCode`): 0 done, 1 something was not settled,
+the truth (`ExitCode`): 0 done, 1 something was not settled,
 2 bad input or an unreachable store or broker (one ``error:`` line on stderr), 130 interrupted.
 
-The commands are module-level functions, one module per family: :mod:`.records` (migrate,
-stats, list, inspect, evict), :mod:`.maintenance` (sweep, prune), :mod:`.recovery` (reconcile,
-replay), on what :mod:`.common` shares; this module only assembles them.
+The commands are module-level functions, one module per family: `.records` (migrate,
+stats, list, inspect, evict), `.maintenance` (sweep, prune), `.recovery` (reconcile,
+replay), on what `.common` shares; this module only assembles them.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """FastStream integration: idempotent subscribers on ``KafkaBroker`` and ``RabbitBroker``.
 
-:class:`Idempotency` is a FastStream middleware. Put it on a router (one per scope) or on the
+[`Idempotency`][consumer_idem.faststream.Idempotency] is a FastStream middleware. Put it on a router
+(one per scope) or on the
 broker, and subscribe with ``ack_policy=AckPolicy.MANUAL``::
 
     idem = Idempotency(store, broker=broker, scope="payments.ledger")
@@ -21,7 +22,7 @@ For each delivery the middleware, wrapped around FastStream's handler call:
    never used (it is a fresh UUID when the producer set none);
 2. claims the key, runs the handler and stores its return value in one transaction (or under a
    lease in two-phase mode); the handler reaches the open connection through FastStream's own
-   injection (:data:`IdempotentConnection`, :data:`IdempotentAttempt`, :data:`CurrentIdempotency`);
+   injection (`IdempotentConnection`, `IdempotentAttempt`, `CurrentIdempotency`);
 3. returns the stored value to FastStream, so the subscriber's publishers publish it; a duplicate
    returns the stored value without calling the handler, so they publish the same bytes again;
 4. settles the delivery only after that: a Kafka commit of ``offset + 1`` of that one partition
@@ -43,15 +44,16 @@ ran the key's handler, in Postgres, as ``RabbitRunner``'s does (``faststream.bud
 Kafka subscribers must keep the records of one partition in order: a subscriber with
 ``max_workers > 1`` that runs records of one partition side by side (FastStream's concurrent
 subscriber with automatic commits, or any FastStream before 0.5.34) is refused with
-:class:`IdempotencyConfigError`; FastStream's ``max_workers`` with ``AckPolicy.MANUAL`` (one
+[`IdempotencyConfigError`][consumer_idem.faststream.IdempotencyConfigError]; FastStream's
+``max_workers`` with ``AckPolicy.MANUAL`` (one
 consumer per worker, each partition on one of them) is accepted.
 
-The package's modules, by what they do: :mod:`.idempotency` (the middleware factory),
-:mod:`.middleware` (one delivery), :mod:`.context` (what a handler injects), :mod:`.results`
-(stored and published forms), :mod:`.handler_call`, :mod:`.settler` with :mod:`.kafka_side` and
-:mod:`.rabbit_side` (settling per broker), :mod:`.batch`, :mod:`.budget`, :mod:`.relay`,
-:mod:`.startup`, :mod:`.unrouted`; what FastStream keeps only in private attributes is read in
-:mod:`._compat` alone.
+The package's modules, by what they do: `.idempotency` (the middleware factory),
+`.middleware` (one delivery), `.context` (what a handler injects), `.results`
+(stored and published forms), `.handler_call`, `.settler` with `.kafka_side` and
+`.rabbit_side` (settling per broker), `.batch`, `.budget`, `.relay`,
+`.startup`, `.unrouted`; what FastStream keeps only in private attributes is read in
+`._compat` alone.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """FastStream Kafka batch subscribers (``@subscriber(topic, batch=True)``) through
-:class:`~consumer_idem.faststream.Idempotency`.
+[`Idempotency`][consumer_idem.faststream.Idempotency].
 
 One delivered batch (the records of one ``getmany``, of one or more partitions) is one
 transaction, as in ``KafkaRunner``'s batch mode, decided by the same core
@@ -168,7 +168,8 @@ class DecodedAhead:
     """The handler's copy of the whole delivery, decoded (by the subscriber's decoder, cached
     in the copy as FastStream caches a decode) while the batch's claim is in flight: the decode
     is most of the handler call's own cost, and the process would otherwise wait idle for
-    Postgres. Used only when this middleware is the innermost (:func:`innermost`), and taken
+    Postgres. Used only when this middleware is the innermost
+    ([`innermost`][consumer_idem.faststream.batch.innermost]), and taken
     only when the core runs every record, in order (no duplicate, no fallback); otherwise the
     handler's copy is narrowed and decoded afresh, and this one is dropped. A decoder should
     have no side effects: it may run once more, or for a batch whose records were all done

@@ -1,9 +1,9 @@
 """Delivery budgets (``max_deliveries``) of FastStream's RabbitMQ subscribers.
 
-The same rule as :class:`~consumer_idem.transports.rabbit.RabbitRunner`'s
-(:mod:`consumer_idem.transports.delivery_budget`): the broker's ``x-delivery-count`` only says
+The same rule as [`RabbitRunner`][consumer_idem.transports.rabbit.RabbitRunner]'s
+(`consumer_idem.transports.delivery_budget`): the broker's ``x-delivery-count`` only says
 which deliveries were delivered before. Those run alone in the process (first deliveries
-wait, :mod:`consumer_idem.transports.run_gate`), each counting one attempt of
+wait, `consumer_idem.transports.run_gate`), each counting one attempt of
 its key in Postgres right before its handler; a first delivery counts when its handler fails.
 At ``max_deliveries`` attempts the key's record is read first: a completed key is replayed and
 acked, never dead-lettered, and a store outage is waited out. So deliveries returned by a
@@ -35,7 +35,7 @@ def _delivered_before(message: StreamMessage[Any]) -> bool:
 
 
 class RabbitBudget:
-    """The delivery budget of one :class:`~consumer_idem.faststream.Idempotency` on a
+    """The delivery budget of one [`Idempotency`][consumer_idem.faststream.Idempotency] on a
     ``RabbitBroker`` (its scope's keys)."""
 
     def __init__(self, idem: Idempotency) -> None:

@@ -1,4 +1,5 @@
-"""The :class:`Idempotency` middleware factory: configuration, the core consumer, publishing."""
+"""The [`Idempotency`][consumer_idem.faststream.idempotency.Idempotency] middleware factory:
+configuration, the core consumer, publishing."""
 
 from __future__ import annotations
 
@@ -53,10 +54,12 @@ log = logging.getLogger("consumer_idem.faststream")
 class Idempotency:
     """A FastStream middleware factory making subscribers idempotent (see the module docstring).
 
-    ``store``: a :class:`PostgresStore`, or a callable returning it (for apps that open their
+    ``store``: a [`PostgresStore`][consumer_idem.PostgresStore], or a callable returning it (for
+    apps that open their
     pool on startup). ``broker``: the ``KafkaBroker`` or ``RabbitBroker`` the subscribers belong
     to; dead letters, reconciliation notices and re-dispatches are published through it.
-    The other arguments are those of :func:`consumer_idem.idempotent_consumer`, plus:
+    The other arguments are those of
+    [`consumer_idem.idempotent_consumer`][consumer_idem.idempotent_consumer], plus:
 
     * ``dead_letter``: destination for poison messages: a name, or a callable of the source
       topic/queue (default ``<source>.dlq``);
@@ -64,17 +67,18 @@ class Idempotency:
     * ``max_deliveries`` (RabbitMQ): a key whose handler ran this many times without settling
       (it keeps failing, or killing the consumer) is dead-lettered without running again;
       only the key's own runs count, not the broker's returns, and a key whose record says it
-      completed is acked, never dead-lettered (:mod:`consumer_idem.faststream.budget`);
+      completed is acked, never dead-lettered (`consumer_idem.faststream.budget`);
     * ``declare`` (RabbitMQ): declare the dead-letter and notice queues (durable, quorum);
     * ``max_hold`` (RabbitMQ): how long a delivery waiting for the store or for another owner
       stays in hand before it is handed back as a copy (keep it under ``consumer_timeout``).
 
-    It also serves as the transport of a :class:`~consumer_idem.operations.reconcile.Sweeper` or
-    :class:`~consumer_idem.operations.reconcile.Reconciler` (``publish_notice``, ``redispatch``),
+    It also serves as the transport of a [`Sweeper`][consumer_idem.operations.reconcile.Sweeper] or
+    [`Reconciler`][consumer_idem.operations.reconcile.Reconciler] (``publish_notice``,
+    ``redispatch``),
     and as the sender of the outbox (``send_batch``): what a handler publishes through
-    :data:`IdempotentOutbox` goes out through ``broker`` right after the commit, and a relay
+    `IdempotentOutbox` goes out through ``broker`` right after the commit, and a relay
     sends what a crash or an outage left behind (``idem.outbox_relay``, see
-    :mod:`consumer_idem.faststream.relay`):
+    `consumer_idem.faststream.relay`):
 
     * ``outbox_relay``: seconds between the relay's passes (None: run no relay here);
     * ``app``: the ``FastStream`` app: the relay starts once it has started its broker and
@@ -148,7 +152,8 @@ class Idempotency:
 
     @property
     def consumer(self) -> IdempotentConsumer:
-        """The core :class:`IdempotentConsumer` (built on first use when ``store`` is a
+        """The core [`IdempotentConsumer`][consumer_idem.IdempotentConsumer] (built on first use
+        when ``store`` is a
         callable)."""
         if self._consumer is None:
             store = self._store_source
@@ -159,7 +164,7 @@ class Idempotency:
     @property
     def batch_consumer(self) -> IdempotentConsumer:
         """The core consumer of Kafka batch subscribers: the same options in batch mode (see
-        :mod:`consumer_idem.faststream.batch`)."""
+        `consumer_idem.faststream.batch`)."""
         if self._batch_consumer is None:
             if self.options.mode != "transactional":
                 raise IdempotencyConfigError(

@@ -1,4 +1,5 @@
-"""One delivery through :class:`~consumer_idem.faststream.Idempotency`: claim, run, settle."""
+"""One delivery through [`Idempotency`][consumer_idem.faststream.Idempotency]: claim, run,
+settle."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ log = logging.getLogger("consumer_idem.faststream")
 
 
 class _Middleware(BaseMiddleware):
-    """One delivery through :class:`Idempotency`."""
+    """One delivery through `Idempotency`."""
 
     def __init__(self, msg: Any, /, *, context: Any, idem: Idempotency) -> None:
         super().__init__(msg, context=context)

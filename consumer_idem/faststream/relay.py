@@ -1,14 +1,16 @@
 """The outbox relay of a FastStream app: started and stopped with the app, or with the broker.
 
 What a handler publishes through ``IdempotentOutbox`` goes out through the broker right after
-its COMMIT; what a crash or an outage left behind is sent by a relay. An :class:`Idempotency`
+its COMMIT; what a crash or an outage left behind is sent by a relay. An
+[`Idempotency`][consumer_idem.faststream.relay.Idempotency]
 middleware runs one for its scope (``outbox_relay`` seconds between passes; None: none):
 
 * given the app (``Idempotency(..., app=app)``): it starts once the app has started its broker
   (``after_startup``), so messages a crash left are sent even if no new message ever comes,
   and stops before the app stops its broker (``on_shutdown``);
 * otherwise it starts with the first delivery the middleware sees (the broker is running
-  then), and stops once the broker stops. Call :meth:`OutboxRelayTask.start` yourself where
+  then), and stops once the broker stops. Call
+  [`OutboxRelayTask.start`][consumer_idem.faststream.relay.OutboxRelayTask.start] yourself where
   your app starts (a FastAPI lifespan) to have it start at once.
 """
 
@@ -46,8 +48,9 @@ def faststream_route(broker: Any, transport: str) -> str:
 
 
 class OutboxRelayTask:
-    """The relay of one :class:`Idempotency` middleware (``idem.outbox_relay``), as a task of
-    the app's event loop: :meth:`start`, :meth:`stop`."""
+    """The relay of one [`Idempotency`][consumer_idem.faststream.relay.Idempotency] middleware
+    (``idem.outbox_relay``), as a task of
+    the app's event loop: `start`, `stop`."""
 
     def __init__(self, idem: Idempotency, interval: float | None, app: Any = None) -> None:
         if interval is not None and interval <= 0:

@@ -29,7 +29,7 @@ log = logging.getLogger("consumer_idem.faststream")
 
 
 class _Transport(Protocol):
-    """What differs between the brokers; :class:`_Settler` turns it into the settle path's
+    """What differs between the brokers; `_Settler` turns it into the settle path's
     transport."""
 
     #: waits happen in hand (RabbitMQ: a hand-back would spend the delivery budget)

@@ -1,6 +1,6 @@
 """Refusing an unsafe FastStream subscriber when its broker starts, before anything is fetched.
 
-The :class:`~consumer_idem.faststream.Idempotency` middleware settles each delivery itself,
+The [`Idempotency`][consumer_idem.faststream.Idempotency] middleware settles each delivery itself,
 after its commit. A subscriber whose ack policy is anything but ``AckPolicy.MANUAL`` lets
 FastStream settle it too: ``ACK_FIRST`` (Kafka's default) commits offsets automatically before
 the handler runs, ``ACK`` / ``REJECT_ON_ERROR`` (RabbitMQ's default) / ``NACK_ON_ERROR`` ack or
@@ -9,9 +9,9 @@ refuses such a subscriber when the broker starts, not on its first message (by t
 has already committed it).
 
 FastStream (checked with 0.7.8) has no hook for "the broker is about to start" that a
-middleware can use, so :func:`guard_start` wraps the ``start`` of the one broker instance the
+middleware can use, so `guard_start` wraps the ``start`` of the one broker instance the
 middleware was given (its class is left alone); the check reads each subscriber's public
-``ack_policy`` and, through :mod:`consumer_idem.faststream._compat`, the middlewares FastStream
+``ack_policy`` and, through `consumer_idem.faststream._compat`, the middlewares FastStream
 will run for it.
 """
 
@@ -55,8 +55,9 @@ def subscriber_name(subscriber: Any) -> str:
 
 
 def check_subscribers(broker: Any) -> None:
-    """Raise :class:`IdempotencyConfigError` naming every subscriber of ``broker`` run through
-    an :class:`Idempotency` middleware that would lose messages."""
+    """Raise [`IdempotencyConfigError`][consumer_idem.IdempotencyConfigError] naming every
+    subscriber of ``broker`` run through
+    an `Idempotency` middleware that would lose messages."""
     from consumer_idem.faststream import Idempotency
 
     problems: list[str] = []

@@ -132,7 +132,7 @@ async def _refused(
 
 async def _route(subscriber: Any, raw: Any) -> tuple[Any, Any] | None:
     """The first handler accepting ``raw`` and the message it parsed, or None; raises the
-    parser's or filter's data error, or :class:`_Outage` for any other."""
+    parser's or filter's data error, or `_Outage` for any other."""
     for call in _compat.handler_calls(subscriber):
         try:
             parsed = await _compat.parse_for(call, raw)

@@ -10,7 +10,7 @@ claim, no run and no record (its retry is a first request).
 What a record covers. Its scope is the caller, the method and the route template
 (``http:<caller>:POST /orders/{order_id}``); its fingerprint is the concrete request: method,
 path with its parameters, query string (parameters sorted by name) and body (canonical JSON, or
-raw bytes; JSON nested past :data:`~consumer_idem.fingerprint.MAX_DEPTH` is raw bytes too).
+raw bytes; JSON nested past `MAX_DEPTH` is raw bytes too).
 The same key for another concrete request is a 422, never a replay. Routes are resolved the
 way Starlette's router resolves them (mounts, hosts, sub-applications, FastAPI's included
 routers), through any middleware between this one and the app (followed by ``.app``); a
@@ -33,13 +33,13 @@ Problems are problem+json:
   instead); 409 with its own type: the outcome of the first request is ``unknown``;
 * 500 ``request-not-committed``: the endpoint's transaction was rolled back (nothing stored);
 * 503 ``store-unavailable``: the store failed before the endpoint ran (fail-closed; a route
-  may opt into fail-open: see :func:`~consumer_idem.http.fail_open.may_bypass` for the narrow case);
+  may opt into fail-open: see `may_bypass` for the narrow case);
 * 503 ``outcome-unknown``: the endpoint ran, but its outcome could not be recorded (a
   two-phase completion failed, or the store failed after the endpoint ran): never "not
   processed", and the retry never applies it twice.
 
 Routes opt in or out with ``@idempotent(...)`` / ``@not_idempotent`` on the endpoint. Two modes,
-both driven by the claim engine (:mod:`consumer_idem.claim`):
+both driven by the claim engine (`consumer_idem.claim`):
 
 * ``transactional`` (default): the claim, the endpoint's writes on
   ``request.state.idempotency.connection`` and the stored response commit together. A 5xx, an
@@ -57,16 +57,16 @@ transaction as writes the stream made; a 5xx stream is rolled back (transactiona
 committed, is cut short (the client sees a broken response, never a complete one) and never
 stored as a success.
 
-The package, one module per concept: :mod:`~consumer_idem.http.routing` (which requests take
-part), :mod:`~consumer_idem.http.key_header` and :mod:`~consumer_idem.http.reading` (the key,
-the body, the fingerprint), :mod:`~consumer_idem.http.callers` (whose key it is),
-:mod:`~consumer_idem.http.admission` (a request taken in, or answered),
-:mod:`~consumer_idem.http.keyed_request` (one request from its claim to its response),
-:mod:`~consumer_idem.http.capture` (the endpoint's response, held until it is stored),
-:mod:`~consumer_idem.http.responses` (problem+json, replays),
-:mod:`~consumer_idem.http.fail_open` (when a route may run unprotected),
-:mod:`~consumer_idem.http.context` (what the endpoint sees) and
-:mod:`~consumer_idem.http.middleware`.
+The package, one module per concept: `routing` (which requests take
+part), `key_header` and `reading` (the key,
+the body, the fingerprint), `callers` (whose key it is),
+`admission` (a request taken in, or answered),
+`keyed_request` (one request from its claim to its response),
+`capture` (the endpoint's response, held until it is stored),
+`responses` (problem+json, replays),
+`fail_open` (when a route may run unprotected),
+`context` (what the endpoint sees) and
+`middleware`.
 """
 
 from __future__ import annotations

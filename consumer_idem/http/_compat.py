@@ -79,7 +79,7 @@ def _mark(route: Any) -> bool:
 
 def watched(router: Any, declared: Any) -> bool:
     """Mark the routes of ``router`` (those added since too); does a request that goes to
-    ``declared`` (:data:`NOWHERE`: the router answers 404 or 405 itself; ``None``: a mount)
+    ``declared`` (`NOWHERE`: the router answers 404 or 405 itself; ``None``: a mount)
     tell when its endpoint begins?"""
     routes = getattr(getattr(router, "router", router), "routes", None) or ()
     everywhere = True

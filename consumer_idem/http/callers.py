@@ -55,7 +55,7 @@ _PRINCIPAL = "u."
 
 
 def _callers_label(value: str) -> str:
-    """A value of ``caller=``: :func:`_caller_label`, except that its first character is
+    """A value of ``caller=``: `_caller_label`, except that its first character is
     percent-encoded (which ``quote`` never does to a letter) when the label would read
     ``anonymous`` (no caller) or ``u.`` (a principal): no caller value shares their keys."""
     label = _caller_label(value)
@@ -65,7 +65,7 @@ def _callers_label(value: str) -> str:
 
 
 def _principal_label(identity: str) -> str:
-    """An authenticated principal's label: ``u.`` and its identity's :func:`_caller_label`."""
+    """An authenticated principal's label: ``u.`` and its identity's `_caller_label`."""
     return _PRINCIPAL + _caller_label(identity)
 
 

@@ -36,7 +36,8 @@ class IdempotencyContext:
 
 
 def idempotency_of(conn: HTTPConnection) -> IdempotencyContext | None:
-    """The request's :class:`IdempotencyContext` (``request.state.idempotency``), typed;
+    """The request's [`IdempotencyContext`][consumer_idem.http.context.IdempotencyContext]
+    (``request.state.idempotency``), typed;
     ``None`` when the middleware does not protect this request."""
     context = conn.scope.get("state", {}).get("idempotency")
     return context if isinstance(context, IdempotencyContext) else None
@@ -44,7 +45,8 @@ def idempotency_of(conn: HTTPConnection) -> IdempotencyContext | None:
 
 def transaction_of(conn: HTTPConnection) -> asyncpg.Connection:
     """The connection of the request's idempotency transaction (transactional routes): write
-    here to commit with the stored response. Raises :class:`NotInTransaction` otherwise."""
+    here to commit with the stored response. Raises
+    [`NotInTransaction`][consumer_idem.NotInTransaction] otherwise."""
     context = idempotency_of(conn)
     if context is None or context.connection is None:
         why = (
@@ -62,7 +64,9 @@ def outbox_of(conn: HTTPConnection) -> UnitOutbox:
     """The outbox of the request's idempotency transaction (transactional routes): what the
     endpoint publishes there is sent once the response is committed, never for a request that
     rolled back, never again for a replay. Also a FastAPI dependency
-    (``outbox: UnitOutbox = Depends(outbox_of)``). Raises :class:`NotInTransaction` where
-    :func:`transaction_of` does. Attach a sender for it at startup
+    (``outbox: UnitOutbox = Depends(outbox_of)``). Raises
+    [`NotInTransaction`][consumer_idem.NotInTransaction] where
+    [`transaction_of`][consumer_idem.http.context.transaction_of] does. Attach a sender for it at
+    startup
     (``consumer_idem.outbox.OutboxService``)."""
     return outbox_for(transaction_of(conn))

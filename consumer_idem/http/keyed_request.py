@@ -233,7 +233,7 @@ class KeyedRequest:
     # --- two-phase -----------------------------------------------------------------------------
 
     async def _two_phase(self, recheck: bool) -> float | None:
-        """One attempt, as :meth:`_transactional`."""
+        """One attempt, as `_transactional`."""
         if self._held_here(bypassed=True):
             return 1.0  # run unprotected by this process, in no record
         claim = TwoPhaseClaim(

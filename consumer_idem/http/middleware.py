@@ -27,7 +27,8 @@ from consumer_idem.stores.postgres.store import PostgresStore
 def _checked_setup(
     app: Any, caller: Caller | None, shared_keys: bool, mode: str, wait: float, router: Any
 ) -> Any:
-    """The router whose routes decide, or the :class:`ConfigurationError` of a set-up that
+    """The router whose routes decide, or the
+    [`ConfigurationError`][consumer_idem.ConfigurationError] of a set-up that
     could not keep the middleware's promise."""
     if caller is None and not shared_keys:
         raise ConfigurationError(
@@ -66,7 +67,8 @@ class IdempotencyMiddleware:
 
     Routes decide which requests take part, so the middleware must see the router: the app
     it wraps, or the one behind the middleware around it (followed through their ``.app``).
-    When it cannot, it refuses to start (:class:`ConfigurationError`) rather than let every
+    When it cannot, it refuses to start ([`ConfigurationError`][consumer_idem.ConfigurationError])
+    rather than let every
     request through unprotected; ``router=`` names the app or router whose routes decide.
 
     Refusing to start: a set-up that cannot keep these promises is kept as ``refusal`` and
@@ -162,7 +164,7 @@ class IdempotencyMiddleware:
 
     async def _run_app(self, request: KeyedRequest, context: IdempotencyContext) -> Captured:
         """Run the endpoint of ``request``; its response is captured, not sent (see
-        :mod:`consumer_idem.http.capture`)."""
+        `consumer_idem.http.capture`)."""
         captured = Captured(request.send)
         if request.watched:
             context.began = False  # until the endpoint begins (see _compat)

@@ -18,7 +18,7 @@ class TooLarge(Exception):
 
 async def read_body(receive: Receive, limit: int) -> bytes:
     """The whole request body. A disconnect before its last chunk is no end of body: the
-    request is incomplete (raises :class:`ClientGone`), and nothing may run on a part of it."""
+    request is incomplete (raises `ClientGone`), and nothing may run on a part of it."""
     body = bytearray()
     while True:
         message = await receive()

@@ -105,7 +105,8 @@ def resolve_route(app: Any, scope: Scope) -> tuple[str, RouteOptions] | None:
 
 
 def route_of(app: Any, scope: Scope) -> Routed | None:
-    """:func:`resolve_route`, with the concrete hosts routing depended on."""
+    """[`resolve_route`][consumer_idem.http.routing.resolve_route], with the concrete hosts routing
+    depended on."""
     router = getattr(app, "router", app)
     return _resolve(getattr(router, "routes", None) or (), scope, "", RouteOptions(), ())
 

@@ -1,11 +1,15 @@
 """Reconciliation: settling ``unknown`` records, and the sweeper that keeps it from losing cases.
 
-* :class:`Reconciler` consumes reconciliation notices (run it on a Kafka or RabbitMQ runner,
+* [`Reconciler`][consumer_idem.operations.reconcile.Reconciler] consumes reconciliation notices (run
+it on a Kafka or RabbitMQ runner,
   whose dead-letter destination is the operator's queue). For each notice it loads the row (the
   row is the truth: a notice for a row that is no longer ``unknown`` is acked and counted) and
-  asks your resolver, which answers :class:`Executed` (store this result -> ``completed``),
-  :class:`NotExecuted` (-> ``failed_retryable``, and the original message is re-dispatched so
-  it runs once) or :class:`StillUnknown` (ask again later, with exponential backoff). An
+  asks your resolver, which answers [`Executed`][consumer_idem.Executed] (store this result ->
+  ``completed``),
+  [`NotExecuted`][consumer_idem.NotExecuted] (-> ``failed_retryable``, and the original message is
+  re-dispatched so
+  it runs once) or [`StillUnknown`][consumer_idem.operations.reconcile.StillUnknown] (ask again
+  later, with exponential backoff). An
   ``Executed`` answer for a two-phase scope with ``local_writes`` runs those writes with the
   resolver's result in the resolution's transaction (pass ``local_writes={scope: fn}``, e.g.
   ``{charge.scope: charge.local_writes}``): the local rows a completion would have committed
@@ -28,7 +32,8 @@
   (``message_id``...), Kafka record key and original coordinates. A key re-dispatched
   ``max_redispatches`` times (each run ended ``unknown`` again, and the resolver keeps saying
   "not executed") goes to the operator (``redispatch_exhausted``) instead of looping.
-* :class:`Sweeper` parks expired leases as ``unknown``, publishes every due notice that was
+* [`Sweeper`][consumer_idem.operations.reconcile.Sweeper] parks expired leases as ``unknown``,
+publishes every due notice that was
   never published (a crash between parking and publishing) or is due again after a backoff
   (the row works as an outbox), and sends every due re-dispatch of the outbox.
 """
@@ -346,7 +351,8 @@ class Reconciler:
 
 @dataclass(frozen=True, slots=True)
 class SweeperReport:
-    """What one pass of the :class:`Sweeper` did (or, summed, all of them)."""
+    """What one pass of the [`Sweeper`][consumer_idem.operations.reconcile.Sweeper] did (or, summed,
+    all of them)."""
 
     zombies: int = 0  #: expired leases parked as unknown
     published: int = 0  #: due notices published

@@ -79,7 +79,7 @@ class ReplayProblem:
 @dataclass
 class ReplayReport:
     """A replay's progress and ending: how many messages went each way (see
-    :data:`CATEGORIES`). Updated as the replay runs."""
+    `CATEGORIES`). Updated as the replay runs."""
 
     read: int = 0
     execute: int = 0  #: ran now (dry run: would run)
@@ -127,7 +127,8 @@ def load_target(spec: str) -> Any:
 
 
 def load_consumer(spec: str, store: PostgresStore) -> IdempotentConsumer:
-    """``module:attribute`` naming an :class:`IdempotentConsumer`, or a function taking the
+    """``module:attribute`` naming an [`IdempotentConsumer`][consumer_idem.IdempotentConsumer], or a
+    function taking the
     store and returning one (so the replay uses the operator's store settings)."""
     target = load_target(spec)
     consumer = target if isinstance(target, IdempotentConsumer) else target(store)
@@ -480,7 +481,7 @@ class KafkaSource:
 def kafka_source(
     topic: str, *, group_id: str, bootstrap_servers: str, commit: bool = True
 ) -> KafkaSource:
-    """A :class:`KafkaSource` (see there)."""
+    """A [`KafkaSource`][consumer_idem.operations.replay.KafkaSource] (see there)."""
     return KafkaSource(topic, group_id=group_id, bootstrap_servers=bootstrap_servers, commit=commit)
 
 
@@ -555,7 +556,7 @@ class RabbitSource:
 
 
 def rabbit_source(queue: str, *, url: str, requeue_all: bool = False) -> RabbitSource:
-    """A :class:`RabbitSource` (see there)."""
+    """A [`RabbitSource`][consumer_idem.operations.replay.RabbitSource] (see there)."""
     return RabbitSource(queue, url=url, requeue_all=requeue_all)
 
 

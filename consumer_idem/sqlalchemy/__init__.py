@@ -1,8 +1,9 @@
 """SQLAlchemy 2.0: an ``AsyncSession`` bound to the idempotency transaction.
 
 The library opens the idempotency transaction itself (a raw ``BEGIN`` on an asyncpg connection)
-and owns its ``COMMIT`` (checked, see :mod:`consumer_idem.commit`). A session from
-:func:`bound_session` runs its statements on that connection, inside that transaction, so the
+and owns its ``COMMIT`` (checked, see `consumer_idem.commit`). A session from
+[`bound_session`][consumer_idem.sqlalchemy.bound_session] runs its statements on that connection,
+inside that transaction, so the
 ORM writes commit together with the idempotency record or not at all::
 
     store = engine_store(engine)                 # one pool: the store acquires through the engine
@@ -23,7 +24,8 @@ What the session's own transaction calls do inside an idempotent unit:
 * ``session.rollback()`` (also a failed flush, or ``async with session.begin():`` left by an
   exception) rolls back the **whole unit**: the transaction is aborted on the spot, so every
   later statement of the handler fails, and nothing of the unit commits. A consumer's delivery
-  is ``failed_retryable`` (:class:`SessionRolledBack`), an HTTP request answers 500
+  is ``failed_retryable`` ([`SessionRolledBack`][consumer_idem.sqlalchemy.SessionRolledBack]), an
+  HTTP request answers 500
   ``request-not-committed``. To undo only a part, use ``async with session.begin_nested():``
   (a SAVEPOINT).
 * Pending ORM changes are flushed when the handler returns (before the library's COMMIT).
@@ -31,12 +33,15 @@ What the session's own transaction calls do inside an idempotent unit:
 Writes through any other session, engine connection or pool are **not** part of the unit: they
 commit on their own, whatever happens to the idempotency record.
 
-Entry points: :func:`with_session` (``@idempotent_consumer`` handlers and
-:func:`~consumer_idem.execution.run_transactional`), :func:`request_session` (Starlette),
+Entry points: [`with_session`][consumer_idem.sqlalchemy.with_session] (``@idempotent_consumer``
+handlers and
+[`run_transactional`][consumer_idem.execution.run_transactional]),
+[`request_session`][consumer_idem.sqlalchemy.request_session] (Starlette),
 ``consumer_idem.sqlalchemy.fastapi`` (FastAPI's ``Depends``) and
 ``consumer_idem.sqlalchemy.faststream`` (FastStream's injection).
 
-The store may run on the application's SQLAlchemy engine (:class:`EnginePool`, asyncpg driver:
+The store may run on the application's SQLAlchemy engine
+([`EnginePool`][consumer_idem.sqlalchemy.EnginePool], asyncpg driver:
 one pool for both) or on an asyncpg pool; a session binds to the unit's connection either way.
 """
 
@@ -108,7 +113,8 @@ _DOOM = (
 
 
 class _UnitConnection(Connection):
-    """SQLAlchemy's connection on a unit's asyncpg connection (an :class:`EnginePool`
+    """SQLAlchemy's connection on a unit's asyncpg connection (an
+    [`EnginePool`][consumer_idem.sqlalchemy.EnginePool]
     checkout, or an asyncpg pool's connection lent for one session).
 
     A rollback of its SQLAlchemy transaction (``session.rollback()``, a failed flush, a
@@ -130,8 +136,9 @@ _ENGINE_CONNECTIONS: dict[Any, tuple[AsyncEngine, _UnitConnection]] = {}
 
 
 class EnginePool:
-    """An asyncpg-pool face on a SQLAlchemy :class:`~sqlalchemy.ext.asyncio.AsyncEngine`
-    (``postgresql+asyncpg``), so a :class:`~consumer_idem.PostgresStore` and the application
+    """An asyncpg-pool face on a SQLAlchemy `AsyncEngine`
+    (``postgresql+asyncpg``), so a [`PostgresStore`][consumer_idem.PostgresStore] and the
+    application
     share one pool: ``PostgresStore(EnginePool(engine))``.
 
     Each ``acquire()`` checks a connection out of the engine's pool (its ``pool_size``,
@@ -160,7 +167,7 @@ class EnginePool:
 
     def acquire(self, *, timeout: float | None = None) -> _EngineCheckout:
         """A checkout: ``async with pool.acquire() as conn`` or ``conn = await
-        pool.acquire()`` (then :meth:`release`). The engine's ``pool_timeout`` bounds the wait
+        pool.acquire()`` (then `release`). The engine's ``pool_timeout`` bounds the wait
         (``timeout`` is accepted for the asyncpg pool's signature)."""
         return _EngineCheckout(self)
 
@@ -179,8 +186,10 @@ class EnginePool:
 
 
 def engine_store(engine: AsyncEngine, **options: Any) -> PostgresStore:
-    """A :class:`~consumer_idem.PostgresStore` on the application's engine (one pool for the
-    store and the application: see :class:`EnginePool`). ``options``: as for the store."""
+    """A [`PostgresStore`][consumer_idem.PostgresStore] on the application's engine (one pool for
+    the
+    store and the application: see [`EnginePool`][consumer_idem.sqlalchemy.EnginePool]).
+    ``options``: as for the store."""
     return PostgresStore(cast(asyncpg.Pool, EnginePool(engine)), **options)
 
 
@@ -215,7 +224,8 @@ async def _reset_json_codecs(conn: Any) -> None:
 def _connect(engine: AsyncEngine) -> _UnitConnection:
     """Check a connection out of the engine's pool (in SQLAlchemy's greenlet: the pool may
     connect, ping or recycle), in ``AUTOCOMMIT`` (reset at check-in) and in one hop: no
-    :class:`AsyncConnection` wrapper, which only a session needs (see :func:`bound_session`)."""
+    `AsyncConnection` wrapper, which only a session needs (see
+    [`bound_session`][consumer_idem.sqlalchemy.bound_session])."""
     connection = _UnitConnection(engine.sync_engine)
     try:
         connection.execution_options(isolation_level="AUTOCOMMIT")
@@ -324,7 +334,8 @@ def _lender() -> AsyncEngine:
 
 
 async def _sa_connection(conn: Any) -> tuple[AsyncEngine, _UnitConnection, bool]:
-    """SQLAlchemy's connection on ``conn`` and its engine: the :class:`EnginePool` checkout's,
+    """SQLAlchemy's connection on ``conn`` and its engine: the
+    [`EnginePool`][consumer_idem.sqlalchemy.EnginePool] checkout's,
     or a new one that borrows ``conn`` (``True``: close it after the unit)."""
     lent = _ENGINE_CONNECTIONS.get(conn)
     if lent is not None:
@@ -399,7 +410,7 @@ async def _doom(conn: Any) -> None:
 
 @contextlib.asynccontextmanager
 async def bound_session(conn: asyncpg.Connection) -> AsyncIterator[AsyncSession]:
-    """An :class:`~sqlalchemy.ext.asyncio.AsyncSession` on ``conn``, the connection of an
+    """An `AsyncSession` on ``conn``, the connection of an
     idempotent unit (a transactional handler's ``conn``, an HTTP request's
     ``state.idempotency.connection``), inside its transaction.
 
@@ -514,13 +525,16 @@ def with_session(
     """Adapt a handler that writes through a session to the transactional handler signature,
     whose last argument is the unit's connection:
 
-    * ``handler(session)`` for :func:`~consumer_idem.execution.run_transactional` (with
+    * ``handler(session)`` for [`run_transactional`][consumer_idem.execution.run_transactional]
+    (with
       ``connection=True``, ``handler(conn, session)``);
     * ``handler(message, session)`` (or ``handler(messages, session)`` in batch mode) for
       ``@idempotent_consumer``; with ``connection=True``, ``handler(message, conn, session)``.
 
-    The session is bound to the unit (:func:`bound_session`). A handler whose session rolled
-    back fails with :class:`SessionRolledBack`: nothing of the unit commits."""
+    The session is bound to the unit ([`bound_session`][consumer_idem.sqlalchemy.bound_session]). A
+    handler whose session rolled
+    back fails with [`SessionRolledBack`][consumer_idem.sqlalchemy.SessionRolledBack]: nothing of
+    the unit commits."""
     if not inspect.iscoroutinefunction(handler) and not inspect.iscoroutinefunction(
         getattr(handler, "__call__", None)  # noqa: B004 - an object with an async __call__
     ):
@@ -561,7 +575,8 @@ async def request_session(request: Any) -> AsyncIterator[AsyncSession]:
                 await session.flush()
                 ...
 
-    Raises :class:`~consumer_idem.http.NotInTransaction` on a request the middleware does not
+    Raises [`NotInTransaction`][consumer_idem.http.NotInTransaction] on a request the middleware
+    does not
     hold in a transaction (no key, a two-phase route, a fail-open bypass)."""
     async with bound_session(_transaction_of(request)) as session:
         yield session

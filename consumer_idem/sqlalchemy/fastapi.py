@@ -12,7 +12,7 @@
 
 The route must be transactional and its requests must carry an ``Idempotency-Key`` (make it
 ``required``): a request without one has no transaction to bind to and fails with
-:class:`~consumer_idem.http.NotInTransaction`.
+[`NotInTransaction`][consumer_idem.http.NotInTransaction].
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ dependency injection::
         session.add(Order(sku=body["sku"], qty=body["qty"]))
         return {"ok": True}                    # flushed, then committed with the record
 
-The subscriber's router (or broker) carries :class:`~consumer_idem.faststream.Idempotency` in
+The subscriber's router (or broker) carries [`Idempotency`][consumer_idem.faststream.Idempotency] in
 transactional mode. A session that rolled back fails the delivery
-(:class:`~consumer_idem.sqlalchemy.SessionRolledBack`): nothing of it commits, it runs again.
+([`SessionRolledBack`][consumer_idem.sqlalchemy.SessionRolledBack]): nothing of it commits, it runs
+again.
 """
 
 from __future__ import annotations

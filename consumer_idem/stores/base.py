@@ -1,4 +1,5 @@
-"""The contract every store meets (:class:`Store`) and what the stores share (:class:`StoreBase`).
+"""The contract every store meets ([`Store`][consumer_idem.stores.base.Store]) and what the stores
+share (`StoreBase`).
 
 PostgreSQL is the reference store: it alone joins the handler's transaction (transactional mode,
 batch mode, HTTP transactional routes) and keeps the reconciliation outbox. Redis implements the
@@ -47,7 +48,8 @@ MAX_RETENTION = timedelta(days=3_652_425)  # 10,000 years: "for ever" for any re
 
 
 def checked_duration(value: timedelta | float, name: str = "retention") -> timedelta:
-    """``value`` (a retention or a lease) as a duration, or a :class:`ConfigurationError` when
+    """``value`` (a retention or a lease) as a duration, or a
+    [`ConfigurationError`][consumer_idem.ConfigurationError] when
     no record could be dated that far ahead (``timedelta.max`` meaning "for ever", say)."""
     duration = seconds(value)
     if duration > MAX_RETENTION:
@@ -68,8 +70,10 @@ def default_retention(scope: str) -> timedelta:
 class Store(Protocol):
     """What every store offers: the reservation state machine and its owner transitions.
 
-    Two-phase execution (:func:`~consumer_idem.execution.run_two_phase`, two-phase consumers and
-    webhooks) runs on any ``Store``; transactional mode needs :class:`PostgresStore`.
+    Two-phase execution ([`run_two_phase`][consumer_idem.execution.run_two_phase], two-phase
+    consumers and
+    webhooks) runs on any ``Store``; transactional mode needs
+    [`PostgresStore`][consumer_idem.PostgresStore].
     """
 
     lease: timedelta

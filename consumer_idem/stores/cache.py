@@ -19,7 +19,7 @@ Three rules keep it so:
   the evict, however late its fill arrives, in this process or any other, cannot bring the entry
   back. A ticket lives in the caller's task (a context variable), never shared between callers.
 * **A cancelled caller is not an outage.** Each lookup is its own command on its own connection
-  (see :mod:`~consumer_idem.stores.redis_compat`): cancelling one caller cancels only its
+  (see `redis_compat`): cancelling one caller cancels only its
   command (that connection is dropped), never another caller's, and never opens the breaker,
   which only errors and timeouts do.
 """
@@ -74,7 +74,8 @@ _tickets: ContextVar[tuple[tuple[str, Any, float], ...]] = ContextVar(
 
 
 class CachedStore(Protocol):
-    """What the cache needs from the store it fronts (:class:`PostgresStore` is one)."""
+    """What the cache needs from the store it fronts ([`PostgresStore`][consumer_idem.PostgresStore]
+    is one)."""
 
     schema: str
     metrics: Metrics
@@ -93,7 +94,7 @@ class CompletedCache:
     is as short, else by a timer of the cache's): a slow Redis counts as an outage and falls
     through to Postgres. A client made with ``socket_timeout=None`` spares the cache's timer
     when the cache's bound is the shorter (a client's socket timeout costs no timer per
-    command: see :mod:`~consumer_idem.stores.redis_compat`). Keys start with
+    command: see `redis_compat`). Keys start with
     ``prefix``, then the store's database and schema (read once from Postgres, on first use),
     then scope and key. Entries live for ``min(ttl, the record's remaining retention)``.
 
@@ -196,7 +197,7 @@ class CompletedCache:
 
     async def get(self, scope: str, key: str) -> Record | None:
         """The cached completed record of ``(scope, key)``, or None (ask Postgres). A miss leaves
-        this task a ticket, which lets a :meth:`put` of this key after the Postgres read fill."""
+        this task a ticket, which lets a `put` of this key after the Postgres read fill."""
         if not self._available():
             return None
         space = self._space or await self._namespace()
@@ -228,8 +229,8 @@ class CompletedCache:
 
     async def put(self, record: Record) -> None:
         """Cache a completed record (anything else is ignored: only completed is safe) that this
-        task read from or wrote to Postgres after its :meth:`get` of the key missed. It fills
-        only if that miss is less than :data:`TICKET_SECONDS` old and no evict of the key has
+        task read from or wrote to Postgres after its `get` of the key missed. It fills
+        only if that miss is less than `TICKET_SECONDS` old and no evict of the key has
         happened since; the miss's ticket is then used up."""
         if record.status is not Status.COMPLETED or not self._available():
             return

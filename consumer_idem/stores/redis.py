@@ -1,4 +1,5 @@
-"""A Redis store with the same state machine and decisions as :class:`PostgresStore`.
+"""A Redis store with the same state machine and decisions as
+[`PostgresStore`][consumer_idem.PostgresStore].
 
 For scopes whose effects do not live in Postgres and that accept Redis durability. Every
 transition is one Lua script (atomic on the server), lease times come from the Redis server's
@@ -195,7 +196,7 @@ return 1
 
 
 def _ms(value: Any) -> datetime | None:
-    """:func:`_at`, or None for a field the record does not have."""
+    """`_at`, or None for a field the record does not have."""
     return _at(value) if value not in (None, "", b"") else None
 
 
@@ -291,7 +292,7 @@ class RedisStore(StoreBase):
         self, operation: str, scope: str, script: Any, key: str, args: tuple[Any, ...]
     ) -> Any:
         """``script`` on ``key``: one command, one round trip (see
-        :mod:`~consumer_idem.stores.redis_compat`), through :meth:`_run`."""
+        `redis_compat`), through `_run`."""
         return await self._run(
             operation, scope, lambda: self._commands.evalsha(script, [key], args)
         )
@@ -504,7 +505,8 @@ class RedisStore(StoreBase):
 
     async def evict(self, scope: str, key: str, *, token: uuid.UUID | None = None) -> bool:
         """Delete a record. With ``token``, only while that owner still holds it; without, as
-        an operator: False when there is no record, :class:`KeyHeld` when a worker holds it
+        an operator: False when there is no record, [`KeyHeld`][consumer_idem.KeyHeld] when a worker
+        holds it
         (nothing evicted). The Redis store keeps no original messages (reconciliation is
         Postgres-only): an ``unknown`` key whose delivery was acked has no copy here to send."""
         deleted = await self._run(

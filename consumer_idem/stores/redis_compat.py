@@ -1,7 +1,7 @@
 """Commands on a redis-py asyncio client's own connections, without its per-command layers.
 
 The one module that reaches past redis-py's public API (one private call, see
-:data:`_DIRECT_WRITE`), kept because the public path costs too much. Measured in one process,
+`_DIRECT_WRITE`), kept because the public path costs too much. Measured in one process,
 alternating rounds of this module and of a version sending every command through
 ``execute_command`` and scripts through ``register_script``'s call (redis-py 8.1, CPython
 3.11, CPU time per unit of work, medians of 10 rounds): Redis store reserve + complete at
@@ -13,8 +13,8 @@ that CPU, so they would lose far more than the 15 % a private internal may save.
 The Redis store and the cache send one or two commands per unit of work, and each goes through
 redis-py: its own way, per command, takes a connection from the pool and gives it back and goes
 through its retry and observability layers, which together cost more CPU than the round trip
-itself. :class:`Commands` keeps a few of the pool's connections between calls (up to
-:data:`MAX_IDLE`, about the peak of concurrent calls) and uses them directly: pack the command
+itself. `Commands` keeps a few of the pool's connections between calls (up to
+`MAX_IDLE`, about the peak of concurrent calls) and uses them directly: pack the command
 (in C with hiredis, as redis-py's own synchronous client does), write, read the reply with the
 connection's own parser. Still redis-py's connections, parser, TLS, ACL and timeouts; only the
 wrapping is skipped.
@@ -28,7 +28,7 @@ Read timeouts: redis-py bounds each read by the connection's ``socket_timeout`` 
 default) with its own ``asyncio.timeout``, one event-loop timer per command that is cancelled a
 few hundred microseconds later; under load the loop's heap fills with cancelled timers, and the
 two cost about 30 µs of CPU per unit of work (two commands), measured: a tenth of it. Here the
-same bound is kept by :class:`_Deadlines`: one timer for all the calls in flight, set for the
+same bound is kept by `_Deadlines`: one timer for all the calls in flight, set for the
 earliest deadline among them, so it fires about once per ``socket_timeout`` under load, not
 once per command. A call past its deadline is cancelled and raises redis-py's ``TimeoutError``,
 as the read would have; the connection is dropped.
@@ -63,7 +63,7 @@ _DIRECT_WRITE = sys.version_info < (3, 12)
 
 
 async def _send(conn: Any, packed: list[bytes]) -> None:
-    """Send a packed command on a redis-py asyncio connection (see :data:`_DIRECT_WRITE`)."""
+    """Send a packed command on a redis-py asyncio connection (see `_DIRECT_WRITE`)."""
     if _DIRECT_WRITE and conn.is_connected:
         await conn._send_packed_command(packed)
     else:

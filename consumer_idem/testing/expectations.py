@@ -1,9 +1,10 @@
-"""What :func:`~consumer_idem.testing.assert_idempotent` holds every delivery to.
+"""What [`assert_idempotent`][consumer_idem.testing.assert_idempotent] holds every delivery to.
 
 The effect ``effect(conn, message)`` reports is read before each message's first delivery and
 compared with one clean delivery's; a record must end ``completed``, every delivery settled and
 none dead-lettered, and an attempt rolled back by a fault must have left no effect at all. A
-failed expectation is a :class:`NotIdempotent` naming the scenario and telling the delivery's
+failed expectation is a [`NotIdempotent`][consumer_idem.testing.expectations.NotIdempotent] naming
+the scenario and telling the delivery's
 story.
 """
 

@@ -1,4 +1,5 @@
-""":class:`ExternalCall`: the handler's call to another service, as :func:`assert_idempotent`
+"""[`ExternalCall`][consumer_idem.testing.external.ExternalCall]: the handler's call to another
+service, as `assert_idempotent`
 plays it.
 
 The faults the kit injects at the database and around the handler never show what matters most
@@ -29,7 +30,7 @@ def _read_timeout() -> BaseException:
 class ExternalCall(Generic[P, T]):
     """Wraps ``call`` (an async function: a fake gateway's or a client's method).
 
-    Awaiting the wrapper awaits ``call``. While :func:`assert_idempotent` has it armed, a call
+    Awaiting the wrapper awaits ``call``. While `assert_idempotent` has it armed, a call
     the kit picks takes effect (``call`` runs to its end) and then raises ``failure()``
     (default: a ``TimeoutError``; pass e.g. ``lambda: httpx.ReadTimeout("lost")`` for what your
     client raises), as a read timeout after the far side acted does."""

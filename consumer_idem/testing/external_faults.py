@@ -1,6 +1,7 @@
-"""The handler's external calls under :func:`~consumer_idem.testing.assert_idempotent`.
+"""The handler's external calls under
+[`assert_idempotent`][consumer_idem.testing.assert_idempotent].
 
-The kit arms each :class:`~consumer_idem.testing.ExternalCall` to count the calls a delivery
+The kit arms each [`ExternalCall`][consumer_idem.testing.ExternalCall] to count the calls a delivery
 makes; in "the call took effect, then failed" it makes the n-th of them take effect and then
 raise, notes what the handler made of that, and watches the handler's next run: it must make
 its call again (for the far side to answer it), not answer from a memory the kit cannot see.
@@ -84,7 +85,7 @@ class ExternalFaults:
 
     async def after_took_effect(self, handler: Handler, work: Any, context: Any) -> Any:
         """Run the handler again after its call took effect and failed, counting its calls
-        (:meth:`forgotten` then says whether it made none)."""
+        (`forgotten` then says whether it made none)."""
         self.arm(lambda: False)
         try:
             return await handler(work, context)

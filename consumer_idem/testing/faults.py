@@ -1,8 +1,11 @@
 """Faults at the statement boundaries of a real PostgreSQL connection.
 
-:class:`FaultyPool` wraps an asyncpg pool. Give the store (``PostgresStore(FaultyPool(pool))``)
-and your handlers its connections; a :class:`Fault` armed on it fires at a statement boundary
-it recognises (:class:`Point`): the claim, the completion, the COMMIT, a statement of the
+[`FaultyPool`][consumer_idem.testing.faults.FaultyPool] wraps an asyncpg pool. Give the store
+(``PostgresStore(FaultyPool(pool))``)
+and your handlers its connections; a [`Fault`][consumer_idem.testing.faults.Fault] armed on it fires
+at a statement boundary
+it recognises ([`Point`][consumer_idem.testing.faults.Point]): the claim, the completion, the
+COMMIT, a statement of the
 handler's own, optionally narrowed to statements matching a pattern. What fires is real: a
 terminated connection (before or after the statement reached the server), a COMMIT that
 PostgreSQL answers with ``ROLLBACK`` (an aborted transaction), a statement the server refuses
@@ -89,7 +92,7 @@ def point_of(sql: str) -> Point | None:
 class Fault:
     """Fire ``kind`` at the ``nth`` statement of boundary ``point`` (then ``times - 1`` more).
     ``match``: a regular expression the statement must contain as well (e.g.
-    :data:`LIBRARY_COMMIT`, to skip a handler's own COMMIT)."""
+    `LIBRARY_COMMIT`, to skip a handler's own COMMIT)."""
 
     point: Point
     kind: Kind
@@ -178,7 +181,8 @@ class _Acquire:
 
 
 class FaultyPool:
-    """An asyncpg pool whose connections fire the armed :class:`Fault` s."""
+    """An asyncpg pool whose connections fire the armed
+    [`Fault`][consumer_idem.testing.faults.Fault] s."""
 
     def __init__(self, pool: Any) -> None:
         """``pool``: an asyncpg ``Pool``, or any pool the store takes (``ConnectionPool``)."""

@@ -1,4 +1,5 @@
-"""The faults :func:`~consumer_idem.testing.assert_idempotent` plays around the handler.
+"""The faults [`assert_idempotent`][consumer_idem.testing.assert_idempotent] plays around the
+handler.
 
 Some faults cannot be armed on a connection: an ``Ambiguous`` failure before or after the
 handler's call, a lease that runs out while the handler runs (two-phase: the sweeper parks the
@@ -86,7 +87,7 @@ class HandlerFaults:
 
     async def _run_again(self, handler: Handler, work: Any, context: Any) -> Any:
         """The handler runs again after its call took effect and failed: it must make the
-        call again (see :meth:`ExternalFaults.forgotten`)."""
+        call again (see `ExternalFaults.forgotten`)."""
         result = await self.calls.after_took_effect(handler, work, context)
         detail = self.calls.forgotten()
         if detail is not None:

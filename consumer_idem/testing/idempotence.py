@@ -1,13 +1,16 @@
-""":func:`assert_idempotent`: is my handler really safe under duplicates and crashes?
+"""[`assert_idempotent`][consumer_idem.testing.idempotence.assert_idempotent]: is my handler really
+safe under duplicates and crashes?
 
 The library makes the *record* exactly-once; whether the *effect* is depends on the handler:
 a transactional handler must do all of its work on the connection it is given (a write through
 another connection, or a call to another service, survives a rollback and happens again on the
-redelivery), and must never end that transaction itself. :func:`assert_idempotent` checks this
+redelivery), and must never end that transaction itself.
+[`assert_idempotent`][consumer_idem.testing.idempotence.assert_idempotent] checks this
 from the outside, on a real PostgreSQL: it delivers fresh messages once cleanly, then under
 duplicates, concurrent duplicates and a fault at each step boundary, and compares what
 ``effect(conn, message)`` reports with one clean delivery. With ``external=`` it also makes the
-handler's own call to another service take effect and then fail (:class:`ExternalCall`).
+handler's own call to another service take effect and then fail
+([`ExternalCall`][consumer_idem.testing.idempotence.ExternalCall]).
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ __all__ = [
 
 @dataclass
 class Report:
-    """What :func:`assert_idempotent` checked (it raised otherwise)."""
+    """What [`assert_idempotent`][consumer_idem.testing.idempotence.assert_idempotent] checked (it
+    raised otherwise)."""
 
     mode: str
     batch: bool
@@ -87,14 +91,18 @@ async def assert_idempotent(
     external: ExternalCall[..., Any] | Sequence[ExternalCall[..., Any]] = (),
 ) -> Report:
     """Deliver fresh messages to ``consumer`` under every scenario and raise
-    :class:`NotIdempotent` (an ``AssertionError`` naming the scenario) when the effect differs
+    [`NotIdempotent`][consumer_idem.testing.idempotence.NotIdempotent] (an ``AssertionError`` naming
+    the scenario) when the effect differs
     from one clean delivery.
 
-    * ``consumer``: an ``@idempotent_consumer`` bound to a :class:`PostgresStore` (transactional,
+    * ``consumer``: an ``@idempotent_consumer`` bound to a
+    [`PostgresStore`][consumer_idem.testing.idempotence.PostgresStore] (transactional,
       batch or two-phase). The kit runs a copy of it on the same pool and schema, with faults
       injected at the connection level and short retry delays; the pool needs at least two
       connections.
-    * ``make_message()``: a fresh :class:`ConsumerMessage`, with a new key on every call.
+    * ``make_message()``: a fresh
+    [`ConsumerMessage`][consumer_idem.testing.idempotence.ConsumerMessage], with a new key on every
+    call.
     * ``effect(conn, message)``: what the handler's effect looks like for ``message`` (a count
       of its rows, a balance, the calls a fake service received for it), the same value for
       every message after one clean delivery, and a different one before it. Expose an
@@ -103,10 +111,12 @@ async def assert_idempotent(
       a lost lease). Without one, the kit reconciles from ``effect``: "executed" when the
       effect is there, "not executed" when it is not (a resolver that knows the truth). Pass
       yours to test it as well.
-    * ``scenarios``: run only these (names from :func:`scenario_names`; the clean delivery
+    * ``scenarios``: run only these (names from
+    [`scenario_names`][consumer_idem.testing.idempotence.scenario_names]; the clean delivery
       always runs first, as every scenario's reference).
     * ``external``: the handler's calls to other services, each wrapped in an
-      :class:`ExternalCall` the handler awaits. "The call took effect, then failed" runs once
+      [`ExternalCall`][consumer_idem.testing.idempotence.ExternalCall] the handler awaits. "The call
+      took effect, then failed" runs once
       per call one clean delivery makes: in the n-th run the n-th call of the delivery runs
       to its end and then raises (a read timeout): the handler must not make it again
       (``Ambiguous``: parked ``unknown`` and reconciled, or a far side that dedupes by

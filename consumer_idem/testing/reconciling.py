@@ -1,7 +1,7 @@
-"""The reconcile step of :func:`~consumer_idem.testing.assert_idempotent`.
+"""The reconcile step of [`assert_idempotent`][consumer_idem.testing.assert_idempotent].
 
 A scenario may leave a record ``unknown`` (two-phase ambiguity, a lost lease). The kit settles
-it as an operator's :class:`~consumer_idem.operations.reconcile.Reconciler` would, with the
+it as an operator's [`Reconciler`][consumer_idem.operations.reconcile.Reconciler] would, with the
 user's resolver or, without one, a resolver that reads the truth from ``effect()``; a "not
 executed" answer re-sends the original, which is delivered again.
 """

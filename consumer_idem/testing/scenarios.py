@@ -1,4 +1,4 @@
-"""The scenarios :func:`~consumer_idem.testing.assert_idempotent` plays, per mode.
+"""The scenarios [`assert_idempotent`][consumer_idem.testing.assert_idempotent] plays, per mode.
 
 Each scenario names a fault at a step boundary (armed on the connection, or played by the kit
 around the handler), or a way of delivering again (duplicates, concurrent copies, a crash before
@@ -84,7 +84,7 @@ CLEAN = "clean delivery"
 
 
 def scenario_names(consumer: IdempotentConsumer, *, external: bool = False) -> list[str]:
-    """The scenarios :func:`assert_idempotent` runs for ``consumer`` (given ``external=``
+    """The scenarios `assert_idempotent` runs for ``consumer`` (given ``external=``
     calls, or not), in order."""
     return [CLEAN, *(s.name for s in scenarios_of(consumer, external))]
 

@@ -11,8 +11,8 @@ So the broker's counter is only a hint here:
   if its handler fails, that attempt is counted then.
 * A delivery it has delivered before (it may be what killed the last consumer) is a suspect.
   Suspects run alone: no other handler of the process runs beside one, first deliveries
-  included (:mod:`~consumer_idem.transports.run_gate`), and each counts one attempt of its key
-  in Postgres (:class:`~consumer_idem.stores.postgres.attempts.DeliveryAttempts`), committed on
+  included (`run_gate`), and each counts one attempt of its key
+  in Postgres (`DeliveryAttempts`), committed on
   its own right before the claim and the handler: a crash in the handler is counted against the
   key that was running alone, never against the deliveries waiting their turn, nor for a fresh
   poison that would have run beside it. (A first delivery that kills the process is not
@@ -62,7 +62,7 @@ class DeliveryBudget:
         self, view: Callable[[], ConsumerMessage], execute: Execute | None = None
     ) -> Callable[[], Awaitable[Verdict]]:
         """One redelivered delivery's processing, for
-        :func:`~consumer_idem.transports.settle.process_holding` (``view`` gives a fresh view of
+        `process_holding` (``view`` gives a fresh view of
         it per try: a handler that changed a parsed body must not hand its change on). However
         often it is tried again while held in hand, the delivery counts one attempt.
         ``execute``: how the counted delivery runs (default: the consumer's ``execute``; an

@@ -1,4 +1,5 @@
-"""Kafka transport (aiokafka): runs an :class:`IdempotentConsumer` over topics.
+"""Kafka transport (aiokafka): runs an [`IdempotentConsumer`][consumer_idem.IdempotentConsumer] over
+topics.
 
 * Manual commits only (``enable_auto_commit=False``), of ``offset + 1`` of the contiguous prefix
   of each partition whose Postgres work has committed. Nothing is committed ahead of its effect.
@@ -135,12 +136,13 @@ class KafkaRunner:
     The messages the consumer's handlers publish through the outbox (``outbox_for(conn)``)
     are sent with the runner's producer right after each COMMIT; every ``outbox_relay``
     seconds (None: never) a relay pass sends those of the consumer's scope that a crash or
-    an outage left behind (``runner.outbox``: the :class:`OutboxService`).
+    an outage left behind (``runner.outbox``: the
+    [`OutboxService`][consumer_idem.transports.kafka.OutboxService]).
 
     ``offsets_in_postgres=True`` (an ``@idempotent_consumer`` only) keeps each partition's
     next offset in Postgres, in the same transaction as the effects it covers, and starts each
     assigned partition there (``runner.offsets``:
-    :class:`~consumer_idem.transports.kafka_offsets.PostgresOffsets`). The schema needs
+    [`PostgresOffsets`][consumer_idem.transports.kafka_offsets.PostgresOffsets]). The schema needs
     migration 0007.
     """
 
@@ -392,7 +394,7 @@ class KafkaRunner:
     async def publish_notice(self, scope: str, key: str, body: bytes) -> bool:
         """Publish a reconciliation notice (``acks=all``) and record that it was published.
         Used by the sweeper for notices that were never sent; raises
-        :class:`~consumer_idem.transports.settle.PublishRefused` when the broker refuses it for
+        `PublishRefused` when the broker refuses it for
         good."""
         return await settle.publish_notice(self, scope, key, body, hold=False)
 

@@ -9,7 +9,7 @@ log is asked directly, on assignment:
 * N past the log's end: not this log (its end only grows).
 * N at or before the log's start: nothing before it can be skipped; start at the log's start.
 * otherwise the record at N - 1 must be the one the offset was written after (its mark:
-  timestamp and digest, :func:`~consumer_idem.transports.kafka_offsets.record_mark`), read
+  timestamp and digest, [`record_mark`][consumer_idem.transports.kafka_offsets.record_mark]), read
   with a short-lived consumer of no group.
 
 A stored offset that fails is not used: the partition starts at Kafka's committed offset (which

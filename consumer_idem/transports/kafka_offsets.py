@@ -3,7 +3,7 @@
 The next offset to read of each partition is a row of ``<schema>.kafka_offsets`` (migration
 0007), keyed by consumer group, topic and partition. The runner writes it in the same
 transaction as the effect and the idempotency records of the records it covers (a
-:class:`~consumer_idem.consumer.CommitHook`: one more statement in the COMMIT's round trip, no
+`CommitHook`: one more statement in the COMMIT's round trip, no
 round trip of its own), and seeks to it when a partition is assigned. A crash between the
 Postgres commit and the Kafka offset commit therefore never hands an already-committed record
 to the handler again, and Kafka's own committed offsets become advisory (lag monitoring).
@@ -13,7 +13,8 @@ true, so the greatest is kept, and a consumer that lost the partition but has no
 cannot move it back.
 
 A number means something only in one log. Each value also names the record just before it
-(:func:`record_mark`: its timestamp and a digest of its key and value, migration 0010), and the
+([`record_mark`][consumer_idem.transports.kafka_offsets.record_mark]: its timestamp and a digest of
+its key and value, migration 0010), and the
 runner trusts a stored offset on assignment only when that record is still there
 (``consumer_idem.transports.kafka_offset_check``): a topic deleted and created again under its
 name, or a mirror cluster, starts at Kafka's committed offset instead, and its row is dropped.
@@ -83,7 +84,7 @@ class PostgresOffsets:
         """Write next offsets (with the marks of the records before them) now, in a
         transaction of their own (records that were settled without a transaction of ours:
         dead letters, notices, duplicates). Raises the store's error
-        (:class:`~consumer_idem.errors.StoreUnavailable`...) when it cannot."""
+        ([`StoreUnavailable`][consumer_idem.errors.StoreUnavailable]...) when it cannot."""
         if not offsets:
             return
         values = ", ".join(
@@ -144,7 +145,7 @@ class PostgresOffsets:
 
 
 class OffsetHook:
-    """The :class:`~consumer_idem.consumer.CommitHook` of one partition: the statement that
+    """The `CommitHook` of one partition: the statement that
     stores ``upto.offset + 1``, and, once committed, the runner's note of what Postgres holds."""
 
     def __init__(self, offsets: PostgresOffsets, stored: dict[Partition, int]) -> None:

@@ -1,5 +1,5 @@
 """Publishing to Kafka: which publish errors are permanent, and the sender of the
-transactional outbox (:class:`KafkaOutboxSender`). ``KafkaRunner`` publishes its outgoing
+transactional outbox (`KafkaOutboxSender`). ``KafkaRunner`` publishes its outgoing
 messages through this sender and judges its dead-letter and notice publishes by the same
 errors."""
 

@@ -1,9 +1,9 @@
 """One assigned Kafka partition and its worker: what lives as long as the assignment.
 
-A :class:`Partition` holds the records fetched for it and not yet settled, runs them through the
+A `Partition` holds the records fetched for it and not yet settled, runs them through the
 consumer in chunks (in order: a record to retry holds back the ones after it), and commits the
 contiguous prefix of what is settled, in the background. The runner
-(:class:`~consumer_idem.transports.kafka.KafkaRunner`) fetches, dispatches, starts and stops
+([`KafkaRunner`][consumer_idem.transports.kafka.KafkaRunner]) fetches, dispatches, starts and stops
 partitions on rebalances, and carries verdicts out (the settle path's transport).
 """
 
@@ -131,7 +131,7 @@ class Partition:
 
     def reap(self) -> None:
         """Look at a finished worker. One that failed is logged with its traceback and
-        restarted (after a backoff, in :meth:`work`) from the partition's first unsettled
+        restarted (after a backoff, in `work`) from the partition's first unsettled
         record: records are only removed from ``pending`` once settled, and nothing after the
         first unsettled one is ever committed, so no record is skipped or committed unrun."""
         task = self.task

@@ -1,4 +1,5 @@
-"""RabbitMQ transport (aio-pika): runs an :class:`IdempotentConsumer` over a queue.
+"""RabbitMQ transport (aio-pika): runs an [`IdempotentConsumer`][consumer_idem.IdempotentConsumer]
+over a queue.
 
 * Ack only after the Postgres commit; at most ``prefetch`` unacked messages are in hand.
 * Dead-letter and reconciliation publishes wait for publisher confirms before the ack (one
@@ -23,9 +24,11 @@
 * Batch mode (a consumer decorated with ``batch=True``): deliveries from the prefetch window
   are grouped, up to ``batch_size`` of them or whatever arrived within ``batch_wait`` seconds,
   and each group is claimed, handled and completed in one transaction
-  (:meth:`IdempotentConsumer.process_batch`, which falls back to one transaction per message
+  ([`IdempotentConsumer.process_batch`][consumer_idem.IdempotentConsumer.process_batch], which falls
+  back to one transaction per message
   when a member fails). Acks follow the commit, as one ``basic.ack(multiple=True)`` per
-  contiguous run of delivery tags (:class:`AckWindow`). A delivery the broker has delivered
+  contiguous run of delivery tags ([`AckWindow`][consumer_idem.transports.rabbit.AckWindow]). A
+  delivery the broker has delivered
   before (``x-delivery-count``, or ``redelivered``) runs on its own, never in a shared batch,
   counted as above: a poison's crashes do not spend its batch-mates' budgets.
 """
@@ -490,7 +493,7 @@ class RabbitRunner:
     async def publish_notice(self, scope: str, key: str, body: bytes) -> bool:
         """Publish a reconciliation notice (confirmed) and record that it was published. Used
         by the sweeper for notices that were never sent; raises
-        :class:`~consumer_idem.transports.settle.PublishRefused` when the broker refuses it for
+        `PublishRefused` when the broker refuses it for
         good."""
         return await settle.publish_notice(self, scope, key, body, hold=False)
 

@@ -13,7 +13,8 @@ must never decide first:
   drop a message at its first return: nothing is declared.
 * A limit that is set (in the arguments given, or on a queue that exists) must allow at least
   ``max_deliveries`` deliveries, and ``max_deliveries=None`` (no budget) allows no limit at
-  all. Otherwise the runner refuses to start with a :class:`ConfigurationError` saying which
+  all. Otherwise the runner refuses to start with a
+  [`ConfigurationError`][consumer_idem.ConfigurationError] saying which
   limit and how to fix it.
 
 Only what AMQP shows can be checked: a limit set by a policy is not visible to a client.
@@ -104,7 +105,8 @@ async def declare_consumed(
 ) -> Any:
     """Declare the consumed queue ``name`` on ``channel`` (robust: it is declared again after a
     reconnect), with its delivery limit checked. A queue that exists with another acceptable
-    limit is taken as it is. Raises :class:`ConfigurationError` for a limit that is too low."""
+    limit is taken as it is. Raises [`ConfigurationError`][consumer_idem.ConfigurationError] for a
+    limit that is too low."""
     wanted = declared_arguments(arguments, major := server_major(connection))
     # tried on a channel of its own: a refused declaration closes the channel it was made on
     probe = await connection.channel()

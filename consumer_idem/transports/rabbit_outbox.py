@@ -1,5 +1,5 @@
 """Publishing to RabbitMQ: which publish errors are permanent, and the sender of the
-transactional outbox (:class:`RabbitOutboxSender`). ``RabbitRunner`` publishes its outgoing
+transactional outbox (`RabbitOutboxSender`). ``RabbitRunner`` publishes its outgoing
 messages through this sender and judges its dead-letter and notice publishes by the same
 errors."""
 

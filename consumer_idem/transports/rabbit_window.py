@@ -1,10 +1,11 @@
 """The deliveries a RabbitMQ runner holds in hand (its channel's prefetch window), and their
 workers: one task per delivery, or per batch in batch mode.
 
-A :class:`ChannelWindow` decides each delivery through the consumer (held in hand while it must
+A `ChannelWindow` decides each delivery through the consumer (held in hand while it must
 wait), settles it through the runner (the settle path's transport: ack, publish, hand back),
 and keeps the tasks so that stopping can finish them. The runner
-(:class:`~consumer_idem.transports.rabbit.RabbitRunner`) connects, consumes, collects batches
+([`RabbitRunner`][consumer_idem.transports.rabbit.RabbitRunner]) connects, consumes, collects
+batches
 and stops.
 """
 
@@ -79,7 +80,7 @@ class ChannelWindow:
     async def handle(self, message: Message, verdict: Verdict | None = None) -> None:
         """The worker of one delivery: decided (held in hand while its verdict is a wait),
         then settled; handed back when anything fails unexpectedly. The consumer is called
-        from here and :meth:`_attempt` only, so the handler runs few frames below this
+        from here and `_attempt` only, so the handler runs few frames below this
         worker (``tests/test_handler_depth.py``)."""
         runner = self.runner
         try:

@@ -18,9 +18,9 @@ from contextlib import asynccontextmanager
 
 
 class RunGate:
-    """Many handlers at once (:meth:`shared`), or one alone (:meth:`alone`).
+    """Many handlers at once (`shared`), or one alone (`alone`).
 
-    Entering and leaving :meth:`shared` while no suspect is about costs no wait and no lock
+    Entering and leaving `shared` while no suspect is about costs no wait and no lock
     (a check and a counter: this is every first delivery's path); nothing is awaited on the
     way out, so a cancelled handler never leaves the gate closed."""
 

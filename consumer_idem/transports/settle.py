@@ -1,21 +1,22 @@
-"""The settle path: the one place where a delivery's :class:`Verdict` is carried out.
+"""The settle path: the one place where a delivery's [`Verdict`][consumer_idem.Verdict] is carried
+out.
 
 Every transport (``KafkaRunner``, ``RabbitRunner``, the FastStream middleware) implements the
-small :class:`Transport` contract and calls :func:`settle`; the reconciler's re-dispatch and the
-sweeper's notices go through :func:`redispatch` and :func:`publish_notice`. The rule, written once:
+small `Transport` contract and calls `settle`; the reconciler's re-dispatch and the
+sweeper's notices go through `redispatch` and `publish_notice`. The rule, written once:
 
-* ``RETRY``: never acked; the transport delivers it again later (:meth:`Transport.retry_later`).
+* ``RETRY``: never acked; the transport delivers it again later (`Transport.retry_later`).
 * ``DEAD_LETTER``: the copy is published and *confirmed by the broker*, then the delivery is acked.
 * a reconciliation notice (``verdict.reconcile``): published and confirmed, then acked.
 * anything else: acked (the effect committed before the verdict was made).
 
 An outcome that is ``unknown`` (the delivery parked its key, or met it parked) is acked only once
-its original message is kept durably (:func:`keep_original`: an unarmed row of the re-dispatch
+its original message is kept durably (`keep_original`: an unarmed row of the re-dispatch
 outbox, armed by a "not executed" resolution). Otherwise acking it could lose the only copy of
 the work. If it cannot be kept (the store is down) the delivery is not acked: it comes again.
 
 A publish is retried with backoff while its error is transient. A publish that did not complete
-(the runner is stopping) leaves the delivery unacked (:meth:`Transport.give_back`), so the broker
+(the runner is stopping) leaves the delivery unacked (`Transport.give_back`), so the broker
 delivers it again. A *permanent* error (the broker will refuse the same bytes again, e.g. Kafka's
 ``MessageSizeTooLargeError``) takes a fallback that still leaves a durable trace:
 
@@ -31,7 +32,7 @@ and counted as ``dead_letter_failed`` / ``notice_failed``, until an operator fix
 destination or the runner stops. Acking without any durable trace is never an option.
 
 Waiting is not failing: a verdict to retry because the store is unavailable or another owner
-holds the key (:func:`is_wait`) is retried in-process by :func:`process_holding`, with the
+holds the key (`is_wait`) is retried in-process by `process_holding`, with the
 delivery in hand, so it does not spend a broker's delivery budget (RabbitMQ quorum queues count
 every hand-back in ``x-delivery-count``).
 """
@@ -150,7 +151,7 @@ def is_wait(verdict: Verdict) -> bool:
 
 
 def error_header(verdict: Verdict) -> str | None:
-    """The ``x-dead-letter-error`` value of a verdict, cut to :data:`MAX_ERROR_HEADER`."""
+    """The ``x-dead-letter-error`` value of a verdict, cut to `MAX_ERROR_HEADER`."""
     if not verdict.error:
         return None
     text = verdict.error
@@ -177,7 +178,7 @@ async def publish_until_sent(
 ) -> bool:
     """Publish with backoff until the broker confirms it: a delivery must not be acked before
     its dead letter or notice is durable. False only when stopping interrupted it; raises
-    :class:`PublishRefused` for a permanent error."""
+    [`PublishRefused`][consumer_idem.PublishRefused] for a permanent error."""
     attempt = 0
     while True:
         try:
@@ -207,7 +208,7 @@ def is_unknown(verdict: Verdict) -> bool:
 
 async def keep_original(transport: Transport[D], delivery: D, verdict: Verdict) -> Verdict | None:
     """Before acking a delivery whose outcome is ``unknown``: keep its original message in the
-    store (:meth:`RedispatchOutbox.keep_original`), so a "not executed" answer can re-dispatch it
+    store (`RedispatchOutbox.keep_original`), so a "not executed" answer can re-dispatch it
     whichever delivery was acked. Returns None when the delivery may be acked now, or the
     retry verdict to carry out instead: the store is down (not acked: it comes again and is
     kept then), or the record was resolved "not executed" meanwhile (it must run, not be acked).
@@ -265,7 +266,7 @@ async def keep_original(transport: Transport[D], delivery: D, verdict: Verdict) 
 
 async def check_store(store: PostgresStore) -> None:
     """Before a runner consumes: a missing or outdated schema stops it at once
-    (:class:`~consumer_idem.errors.SchemaMissing`, naming ``consumer-idem migrate``); an
+    ([`SchemaMissing`][consumer_idem.errors.SchemaMissing], naming ``consumer-idem migrate``); an
     unreachable database does not, the runner waits for it like for any outage."""
     try:
         await store.check_schema()
@@ -378,7 +379,7 @@ async def publish_notice(
     """Publish a reconciliation notice (confirmed) and record that it was published. A notice
     refused for good goes again as ``bare`` (without the original message), if given. With
     ``hold`` (a delivery waits on it) a notice refused even so is retried until stopping;
-    without (the sweeper), :class:`PublishRefused` is raised."""
+    without (the sweeper), [`PublishRefused`][consumer_idem.PublishRefused] is raised."""
     destination = "the reconciliation notice"
 
     def send(payload: bytes) -> Awaitable[bool]:
@@ -423,7 +424,8 @@ async def publish_notice(
 
 async def redispatch(transport: Transport[Any], notice: Notice) -> bool:
     """Send a notice's original message back to where it came from (confirmed). False when
-    there is nothing to send or stopping interrupted it; raises :class:`PublishRefused`."""
+    there is nothing to send or stopping interrupted it; raises
+    [`PublishRefused`][consumer_idem.PublishRefused]."""
     if notice.source is None or not notice.original:
         return False
     with tracing.publishing("redispatch", notice.source):
@@ -486,7 +488,7 @@ async def _settle(transport: Transport[D], delivery: D, verdict: Verdict) -> Set
 
 
 class Holding:
-    """A delivery held in hand while its verdict is a wait (:func:`is_wait`): at most
+    """A delivery held in hand while its verdict is a wait (`is_wait`): at most
     ``max_hold`` seconds, and not once stopping. For a worker that runs each try itself::
 
         holding = Holding(stats, stopping, max_hold)
@@ -532,7 +534,7 @@ async def process_holding(
     max_hold: float | None,
 ) -> Verdict:
     """``process()`` again, with the delivery in hand, for as long as its verdict is a wait
-    (:class:`Holding`). Returns the first verdict that is not a wait, or the last wait."""
+    (`Holding`). Returns the first verdict that is not a wait, or the last wait."""
     holding = Holding(stats, stopping, max_hold)
     verdict = await process()
     while await holding.again(verdict):

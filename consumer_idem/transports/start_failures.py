@@ -9,7 +9,7 @@ RabbitMQ refuses to declare a queue that exists with other arguments (a classic 
 the runner declares a quorum one, another ``x-max-length``): ``PRECONDITION_FAILED`` closes the
 channel, and aio-pika's robust connection then logs a page of tracebacks while trying to
 restore it. That is a set-up mistake with a known remedy, so it becomes one
-:class:`~consumer_idem.errors.ConfigurationError` naming it.
+[`ConfigurationError`][consumer_idem.errors.ConfigurationError] naming it.
 """
 
 from __future__ import annotations

@@ -5,23 +5,30 @@ One verification mechanism (``_verify``: raw body, constant-time comparison of b
 checked when the verifier is built, several secrets for rotation, a timestamp tolerance only
 where the timestamp is signed) and a module per sender:
 
-* ``stripe``: :func:`stripe_verifier`; deduplicated by the event ``id``
-* ``standard`` (Svix): :func:`standard_verifier`; by ``webhook-id``
-* ``razorpay``: :func:`razorpay_verifier`; by ``x-razorpay-event-id``
-* ``checkout``: :func:`checkout_verifier`; by the event ``id``
-* ``shopify``: :func:`shopify_verifier`; by ``X-Shopify-Webhook-Id``
-* ``github``: :func:`github_verifier`; by ``X-GitHub-Delivery``
-* ``paddle``: :func:`paddle_verifier`; by ``event_id``
-* ``adyen``: :func:`adyen_verifier`; each item, by pspReference + eventCode + success
-* ``paypal``: :func:`paypal_verifier` (the ``webhooks`` extra: cryptography); by the event ``id``
-* ``toss``: :func:`toss_verifier`; signed events by type + createdAt + data, unsigned payment
+* ``stripe``: [`stripe_verifier`][consumer_idem.webhooks.stripe_verifier]; deduplicated by the event
+``id``
+* ``standard`` (Svix): [`standard_verifier`][consumer_idem.webhooks.standard_verifier]; by
+``webhook-id``
+* ``razorpay``: [`razorpay_verifier`][consumer_idem.webhooks.razorpay_verifier]; by
+``x-razorpay-event-id``
+* ``checkout``: [`checkout_verifier`][consumer_idem.webhooks.checkout_verifier]; by the event ``id``
+* ``shopify``: [`shopify_verifier`][consumer_idem.webhooks.shopify_verifier]; by
+``X-Shopify-Webhook-Id``
+* ``github``: [`github_verifier`][consumer_idem.webhooks.github_verifier]; by ``X-GitHub-Delivery``
+* ``paddle``: [`paddle_verifier`][consumer_idem.webhooks.paddle_verifier]; by ``event_id``
+* ``adyen``: [`adyen_verifier`][consumer_idem.webhooks.adyen_verifier]; each item, by pspReference +
+eventCode + success
+* ``paypal``: `paypal_verifier` (the ``webhooks`` extra: cryptography); by the event ``id``
+* ``toss``: [`toss_verifier`][consumer_idem.webhooks.toss_verifier]; signed events by type +
+createdAt + data, unsigned payment
   events re-read from Toss, by paymentKey + status
 
 A malformed request is a 400 naming what is wrong, a wrong or stale signature a 401, and
-nothing is recorded for either. :class:`WebhookReceiver` runs the handler once per (provider,
+nothing is recorded for either. [`WebhookReceiver`][consumer_idem.webhooks.WebhookReceiver] runs the
+handler once per (provider,
 event id) in the transaction that records it, answers as the sender expects (Adyen:
 ``[accepted]``), and refuses a retention shorter than the sender's retry horizon
-(:data:`RETRY_HORIZONS`) plus a margin.
+(`RETRY_HORIZONS`) plus a margin.
 """
 
 from __future__ import annotations

@@ -1,17 +1,20 @@
 """The one verification mechanism every HMAC scheme shares.
 
-A scheme is data (:class:`Scheme`): the header that carries the signature and how to split it,
+A scheme is data ([`Scheme`][consumer_idem.webhooks._verify.Scheme]): the header that carries the
+signature and how to split it,
 the signed-string template, how a secret becomes a key, how a digest is written (hex or base64),
-whether a timestamp is signed, and where the event's identity lives. :class:`HmacVerifier` does
+whether a timestamp is signed, and where the event's identity lives.
+[`HmacVerifier`][consumer_idem.webhooks._verify.HmacVerifier] does
 the rest the same way for all of them:
 
 * the raw body, before any parsing;
 * each secret decoded when the verifier is built (an empty or malformed secret is a
-  :class:`WebhookSecretError` then, not a refusal of every delivery later); several secrets
+  [`WebhookSecretError`][consumer_idem.WebhookSecretError] then, not a refusal of every delivery
+  later); several secrets
   are key rotation: a signature made with any of them is accepted;
 * a header missing or sent twice is a 400; a signature that is not ASCII, not the scheme's
   encoding or not a digest's length never matches (a 401, never a 500);
-* digests compared as bytes with :func:`hmac.compare_digest`, after a length guard;
+* digests compared as bytes with `hmac.compare_digest`, after a length guard;
 * a timestamp tolerance (stale or future) only where the scheme signs a timestamp.
 """
 
@@ -191,9 +194,11 @@ class Scheme:
 
 
 class HmacVerifier:
-    """A verifier for one :class:`Scheme` and its secrets. Calling it with ``(body, headers)``
-    returns the event id, or raises :class:`WebhookVerificationError` (400 malformed, 401 not
-    signed by any secret); :meth:`event` returns the id and the parsed event."""
+    """A verifier for one [`Scheme`][consumer_idem.webhooks._verify.Scheme] and its secrets. Calling
+    it with ``(body, headers)``
+    returns the event id, or raises
+    [`WebhookVerificationError`][consumer_idem.WebhookVerificationError] (400 malformed, 401 not
+    signed by any secret); `event` returns the id and the parsed event."""
 
     def __init__(
         self, scheme: Scheme, secrets: Sequence[str], *, tolerance: float = DEFAULT_TOLERANCE

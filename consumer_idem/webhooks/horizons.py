@@ -1,9 +1,10 @@
 """How long each sender keeps retrying an event: the one table of retry horizons.
 
 A webhook record must outlive the sender's last retry of its event: pruned earlier, that retry
-finds no record and runs the effect a second time. :class:`~consumer_idem.webhooks.WebhookReceiver`
+finds no record and runs the effect a second time.
+[`WebhookReceiver`][consumer_idem.webhooks.WebhookReceiver]
 for a named sender refuses, when it is built, a retention shorter than the horizon plus
-:data:`MARGIN`, and every record it writes expires that long after its completion (``prune``
+`MARGIN`, and every record it writes expires that long after its completion (``prune``
 removes only records past their ``expires_at``).
 """
 

@@ -94,10 +94,11 @@ class WebhookReceiver:
 
     ``handler(event, conn)`` runs once per (provider, event id), inside the transaction that
     records the event as processed. ``retention``: how long records are kept; for a sender of
-    :data:`~consumer_idem.webhooks.RETRY_HORIZONS` (named by the verifier, or ``provider``)
+    `RETRY_HORIZONS` (named by the verifier, or ``provider``)
     one shorter than its retry horizon plus a margin is refused here, and the default is the
     longer of 30 days and that floor. ``with_delivery=True``: ``handler(delivery, conn)`` gets
-    the :class:`Delivery` (``event_id`` and ``event``), for a handler that records the id a
+    the [`Delivery`][consumer_idem.webhooks.receiver.Delivery] (``event_id`` and ``event``), for a
+    handler that records the id a
     header carries.
     """
 
@@ -157,7 +158,8 @@ class WebhookReceiver:
     handle = __call__  #: the endpoint as a method, for Starlette's ``Route``
 
     async def deliveries(self, body: bytes, headers: Mapping[str, str]) -> list[Delivery]:
-        """The verified events of one request (raises :class:`WebhookVerificationError`)."""
+        """The verified events of one request (raises
+        [`WebhookVerificationError`][consumer_idem.WebhookVerificationError])."""
         verify = self.verify
         if isinstance(verify, DeliveryVerifier):
             return await verify.deliveries(body, headers)

@@ -57,7 +57,8 @@ STANDARD = Scheme(
 
 
 def standard_verifier(secrets: Sequence[str], tolerance: float = DEFAULT_TOLERANCE) -> HmacVerifier:
-    """A Standard Webhooks verifier; raises :class:`WebhookSecretError` at once for a secret
+    """A Standard Webhooks verifier; raises [`WebhookSecretError`][consumer_idem.WebhookSecretError]
+    at once for a secret
     that cannot work (empty, not base64), instead of refusing every delivery later."""
     return HmacVerifier(STANDARD, secrets, tolerance=tolerance)
 

@@ -2,10 +2,10 @@
 run of one-by-one units), the next unit's BEGIN and claim ride in the round trip of this unit's
 COMMIT, right after it: 3 round trips a unit instead of 4.
 
-The state belongs to the run: an :class:`AheadRun` for one connection, entered by the caller
+The state belongs to the run: an `AheadRun` for one connection, entered by the caller
 that runs the units (``async with store.fast_path.run_on(conn) as run``) and found by the
-claim engine through the task's context (:func:`running_on`), never through a table keyed by
-connection. It holds the claim asked for (:class:`Ahead`, sent with the next COMMIT) and the
+claim engine through the task's context (`running_on`), never through a table keyed by
+connection. It holds the claim asked for (`Ahead`, sent with the next COMMIT) and the
 one begun (its transaction open) that the next unit has not taken yet.
 """
 
@@ -36,8 +36,8 @@ DONE_SETTING = "consumer_idem.done"
 class Ahead:
     """The next unit's BEGIN and claim, sent in the round trip of this unit's COMMIT, right
     after it (3 round trips a unit instead of 4 for a connection that runs units back to back:
-    the Kafka runner's partition worker). Asked for with :meth:`AheadRun.ask`, taken by the
-    next unit's claim (:meth:`AheadRun.take`)."""
+    the Kafka runner's partition worker). Asked for with `AheadRun.ask`, taken by the
+    next unit's claim (`AheadRun.take`)."""
 
     scope: str
     key: str
@@ -101,7 +101,7 @@ class AheadRun:
     def ask(self, ahead: Ahead) -> None:
         """Have the next completion on the connection (the fast path's ``finish_claimed`` of a
         fresh claim) begin ``ahead``'s transaction and claim its key right after its COMMIT.
-        The caller runs that unit next, and calls :meth:`forget` once the current one is
+        The caller runs that unit next, and calls `forget` once the current one is
         over."""
         if self.enabled:
             self.asked = ahead
@@ -144,7 +144,7 @@ async def committed_before(
     for a COMMIT alone.
 
     Our transaction's check (the first statement of that round trip) sets a session setting
-    to its mark (see :data:`DONE_SETTING`). A session-level setting made in a transaction
+    to its mark (see `DONE_SETTING`). A session-level setting made in a transaction
     lasts only if the transaction commits, so once whatever is left open is rolled back,
     the setting on this connection answers, whatever other sessions did meanwhile (a
     duplicate may have committed the key the moment our claim row was gone)."""

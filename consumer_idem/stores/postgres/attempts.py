@@ -25,7 +25,8 @@ class DeliveryAttempts:
     async def count(self, scope: str, key: str, limit: int | None = None) -> int | None:
         """Count one more attempt of ``key``, unless ``limit`` attempts are counted already;
         returns the attempts counted, this one included, or None when none was (at the limit).
-        Raises the store's error (:class:`~consumer_idem.errors.StoreUnavailable`...)."""
+        Raises the store's error
+        ([`StoreUnavailable`][consumer_idem.errors.StoreUnavailable]...)."""
         sql = (
             f"INSERT INTO {self.table} AS a (scope, key, attempts) VALUES ($1, $2, 1)"
             " ON CONFLICT (scope, key) DO UPDATE SET attempts = a.attempts + 1,"

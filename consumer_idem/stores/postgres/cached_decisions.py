@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 
 class CachedDecisions:
-    """One store's reads and writes of its :class:`CompletedCache`, when it has one."""
+    """One store's reads and writes of its [`CompletedCache`][consumer_idem.CompletedCache], when it
+    has one."""
 
     def __init__(self, store: PostgresStore) -> None:
         self.store = store

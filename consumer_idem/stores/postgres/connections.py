@@ -1,9 +1,11 @@
 """The store's connections: lending one, running a statement on it, and classifying what fails.
 
 Every database failure leaves here as a library error (see ``pg_errors``): an outage as
-:class:`StoreUnavailable`, a missing schema as :class:`SchemaMissing`, and only what the
-message's data caused as :class:`StoreRejected`. The store's parts all run through
-:meth:`Connections.run`.
+[`StoreUnavailable`][consumer_idem.StoreUnavailable], a missing schema as
+[`SchemaMissing`][consumer_idem.SchemaMissing], and only what the
+message's data caused as [`StoreRejected`][consumer_idem.StoreRejected]. The store's parts all run
+through
+`Connections.run`.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ class Connections:
     def error_for(
         self, operation: str, exc: BaseException, scope: str = "", conn: Any = None
     ) -> ConsumerIdemError:
-        """The library error for a failed store operation (see :meth:`PostgresStore.error_for`)."""
+        """The library error for a failed store operation (see
+        [`PostgresStore.error_for`][consumer_idem.PostgresStore.error_for])."""
         kind = pg_errors.kind_of(exc)
         self.store.metrics.inc("store_error", scope)
         wrong_node = pg_errors.wrong_node(exc)

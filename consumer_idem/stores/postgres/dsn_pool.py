@@ -2,14 +2,15 @@
 
 An asyncpg pool can only be created inside a running event loop, so an application that builds
 its store at import time (a module-level ``store = ...`` its middlewares and subscribers name)
-cannot hand the store a pool yet. :class:`DsnPool` holds the DSN and the options instead and
+cannot hand the store a pool yet. `DsnPool` holds the DSN and the options instead and
 creates the asyncpg pool on first use, or when ``open()`` is awaited (an app's lifespan).
 
 Many tasks using a store first at the same moment open one pool: the first starts the creation
 and the others await that same creation. ``close()`` closes the pool; a later use opens a new
 one (a test suite that starts and stops an app per test, each in an event loop of its own,
 keeps one module-level store). A pool belongs to the event loop that opened it: using it from
-another loop without closing it first is refused with a :class:`ConfigurationError`.
+another loop without closing it first is refused with a
+[`ConfigurationError`][consumer_idem.ConfigurationError].
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class DsnPool:
 
 
 class _Acquire:
-    """A checkout of a :class:`DsnPool`: the pool opens first, then asyncpg's checkout runs."""
+    """A checkout of a `DsnPool`: the pool opens first, then asyncpg's checkout runs."""
 
     def __init__(self, pool: DsnPool, timeout: float | None) -> None:
         self._pool = pool

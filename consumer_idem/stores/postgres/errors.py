@@ -3,7 +3,7 @@
 Who caused an error decides what happens to the message. The library's statements are fixed
 text; what differs between one that succeeds and one that fails on a healthy database is the
 message's key, payload or result. So only these SQLSTATE classes mean "this message's data was
-refused" (:class:`StoreRejected`: the delivery is dead-lettered at once):
+refused" ([`StoreRejected`][consumer_idem.StoreRejected]: the delivery is dead-lettered at once):
 
 * ``22`` data exception: a value out of range, text the encoding cannot hold, a JSON value
   Postgres refuses (``\\u0000`` in ``jsonb``), an invalid number;
@@ -15,13 +15,15 @@ refused" (:class:`StoreRejected`: the delivery is dead-lettered at once):
 A class names no culprit for sure: ``54000`` is also the server's XID wraparound protection,
 which refuses every write. So before a refusal of the library's own statement is the data's,
 the store asks the server for a write that carries no message data
-(:meth:`PostgresStore.refuses_any_write`); refused too, it is an outage and waits.
+([`PostgresStore.refuses_any_write`][consumer_idem.PostgresStore.refuses_any_write]); refused too,
+it is an outage and waits.
 
 Plus ``25P02`` (in failed SQL transaction), which names an earlier statement of the same
 transaction: the work's own failure, one a handler caught and went on (the claim engine
 counts it against the delivery's attempts; it never comes from a statement on its own).
 
-Everything else waits (:class:`StoreUnavailable`: Kafka holds the partition, RabbitMQ requeues
+Everything else waits ([`StoreUnavailable`][consumer_idem.StoreUnavailable]: Kafka holds the
+partition, RabbitMQ requeues
 without spending a delivery, HTTP answers 503), whatever its class: the connection classes,
 read-only transactions (``25006``: a demoted primary, a standby, a maintenance window), a
 server in recovery (``57P03``), an admin shutdown, a missing or duplicate prepared statement
@@ -30,8 +32,8 @@ the server does not support (``0A000``), an internal error (``XX000``), a permis
 (``42501``: a grant an operator fixes). Class ``42`` also waits when our own statement meets
 it: a syntax error there is a bug of the deployed code, and dead-lettering a backlog for it
 would throw the backlog away; the handler's own statements are its own failure (see
-:func:`is_database_outage`). A missing schema (undefined table, function, column or schema)
-is a configuration error (:class:`SchemaMissing`).
+`is_database_outage`). A missing schema (undefined table, function, column or schema)
+is a configuration error ([`SchemaMissing`][consumer_idem.SchemaMissing]).
 """
 
 from __future__ import annotations

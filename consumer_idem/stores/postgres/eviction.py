@@ -2,7 +2,7 @@
 
 A delete drops the record's cache entry before and after it (fenced: a read racing the delete
 cannot re-cache it), and an operator's evict never loses the key's work: an acked delivery's
-kept original is armed for re-dispatch in the same transaction (see :class:`RedispatchOutbox`).
+kept original is armed for re-dispatch in the same transaction (see `RedispatchOutbox`).
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ T = TypeVar("T")
 
 
 class Evictions:
-    """One store's deletes of single records (see :meth:`PostgresStore.evict_record`)."""
+    """One store's deletes of single records (see
+    [`PostgresStore.evict_record`][consumer_idem.PostgresStore.evict_record])."""
 
     def __init__(self, store: PostgresStore) -> None:
         self.store = store
 
     async def evict(self, scope: str, key: str, *, token: uuid.UUID | None = None) -> bool:
-        """Delete a record (see :meth:`PostgresStore.evict`)."""
+        """Delete a record (see [`PostgresStore.evict`][consumer_idem.PostgresStore.evict])."""
         if token is None:
             eviction = await self.store.evict_record(scope, key)
             if eviction is not None and eviction.held_until is not None:
@@ -52,7 +53,8 @@ class Evictions:
         return deleted
 
     async def evict_record(self, scope: str, key: str, *, while_held: bool) -> Eviction | None:
-        """An operator's evict (see :meth:`PostgresStore.evict_record`)."""
+        """An operator's evict (see
+        [`PostgresStore.evict_record`][consumer_idem.PostgresStore.evict_record])."""
         store = self.store
 
         async def call(c: Any) -> Eviction | None:

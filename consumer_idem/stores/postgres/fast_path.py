@@ -3,7 +3,7 @@
 A first delivery costs two round trips: ``BEGIN`` + the claim in one simple query, the result +
 ``COMMIT`` in another. The claim row is written ``completed`` at once: nobody sees it before the
 commit, and a rollback takes it away. On a connection that runs units back to back, the next
-unit's BEGIN + claim rides after this one's COMMIT (:class:`Ahead`): one round trip a unit. Batch
+unit's BEGIN + claim rides after this one's COMMIT (`Ahead`): one round trip a unit. Batch
 mode claims and completes many keys per statement.
 """
 
@@ -148,8 +148,8 @@ class FastPath:
         }
 
     def check(self, mark: str) -> str:
-        """The transaction check (:func:`~consumer_idem.commit.check_sql`) for a connection
-        that claimed with :meth:`begin_and_claim`, which prepared it there."""
+        """The transaction check (`check_sql`) for a connection
+        that claimed with `begin_and_claim`, which prepared it there."""
         if not self.prepared:
             return check_sql(mark)
         return run_check_sql(self._check_stmt, mark)
@@ -157,7 +157,7 @@ class FastPath:
     async def _prepare_fast_path(self, conn: asyncpg.Connection) -> None:
         """Prepare those of the fast path's statements ``conn`` lacks, in one query (outside a
         transaction). A connection can lack some only: the check when a handler deallocated
-        it, which :meth:`heal` repairs. Never behind a transaction pooler."""
+        it, which `heal` repairs. Never behind a transaction pooler."""
         if not self.prepared:
             return
         statements = self._fast_path_statements()
@@ -208,9 +208,9 @@ class FastPath:
 
     def run_on(self, conn: Any) -> AheadRun:
         """``async with store.fast_path.run_on(conn) as run``: units run back to back on
-        ``conn``, each asking for the next one's claim (:meth:`AheadRun.ask`) to ride after
+        ``conn``, each asking for the next one's claim (`AheadRun.ask`) to ride after
         its COMMIT. Not behind a transaction pooler: whether the COMMIT before it happened is
-        read from a session setting there (:func:`committed_before`)."""
+        read from a session setting there (`committed_before`)."""
         return AheadRun(conn, self.store, enabled=self.prepared)
 
     def take_ahead(
@@ -222,7 +222,7 @@ class FastPath:
         retention: timedelta | float | None,
     ) -> Ahead | None:
         """The transaction begun ahead on ``conn`` for this unit, its claim made: ``None``
-        when there is none (see :meth:`AheadRun.take`)."""
+        when there is none (see `AheadRun.take`)."""
         run = running_on(conn)
         return None if run is None else run.take(scope, key, fingerprint, retention)
 
@@ -237,16 +237,17 @@ class FastPath:
         mark: str | None = None,
     ) -> bool:
         """BEGIN a transaction on ``conn`` and claim (scope, key) in the same round trip.
-        ``mark``: a :func:`~consumer_idem.commit.new_mark` the transaction carries, so its
+        ``mark``: a `new_mark` the transaction carries, so its
         COMMIT can check it is still the same transaction.
 
         The claim row is written as ``completed`` straight away: nobody can see it before this
         transaction commits (a duplicate blocks on the unique index until then), and if the
         transaction rolls back it never existed. Returns False when a row already exists; the
-        transaction stays open and the caller falls back to :meth:`reserve` on ``conn``.
+        transaction stays open and the caller falls back to `reserve` on ``conn``.
 
         With ``lock_timeout_ms``, a duplicate does not wait longer than that for the first
-        claim's transaction: it raises :class:`KeyInFlight` (the transaction is then aborted;
+        claim's transaction: it raises [`KeyInFlight`][consumer_idem.KeyInFlight] (the transaction
+        is then aborted;
         roll it back). HTTP uses this to answer 409 instead of holding a connection.
         """
         sql = self._begin_and_claim_sql(scope, key, fingerprint, retention, lock_timeout_ms, mark)
@@ -289,13 +290,14 @@ class FastPath:
         mark: str | None = None,
     ) -> None:
         """Store the result (``encode_result`` of it) and/or an HTTP response on a row claimed by
-        :meth:`begin_and_claim`, run ``then`` (a statement of the library's own, e.g. a NOTIFY)
+        `begin_and_claim`, run ``then`` (a statement of the library's own, e.g. a NOTIFY)
         and COMMIT, in one round trip, checking the commit's tag: raises
-        :class:`~consumer_idem.errors.CommitRolledBack` when the transaction had been aborted.
+        [`CommitRolledBack`][consumer_idem.errors.CommitRolledBack] when the transaction had been
+        aborted.
         Other errors propagate as raised (the caller classifies them).
 
         With a ``mark`` (the check runs first), the next unit's claim asked for on ``conn``
-        (:meth:`AheadRun.ask`) rides after the COMMIT. The check makes the
+        (`AheadRun.ask`) rides after the COMMIT. The check makes the
         COMMIT's own tag redundant: a transaction that passed it is not aborted, so its COMMIT
         either commits or raises."""
         run = running_on(conn)
@@ -358,14 +360,14 @@ class FastPath:
     ) -> set[str]:
         """Batch mode: claim many new keys with one statement, inside the caller's transaction.
         Rows are written as ``completed`` (invisible until COMMIT, gone on rollback). Returns the
-        keys claimed; the others already have a row and go through :meth:`reserve`.
+        keys claimed; the others already have a row and go through `reserve`.
 
         With ``restart`` (the SQL that opens the caller's transaction again: its BEGIN and
         mark; nothing may have run in it yet) a plain INSERT is tried first. When no key has a
         row yet, the usual batch, Postgres does about a third less work than for ON CONFLICT's
         speculative insertion (measured on 500 keys: 5-7 ms against 8-12 ms). A key that has
         a row makes it fail: the transaction is rolled back, opened again with ``restart`` and
-        claimed with ON CONFLICT, and the scope's next :data:`PLAIN_CLAIM_PAUSE` batches skip
+        claimed with ON CONFLICT, and the scope's next `PLAIN_CLAIM_PAUSE` batches skip
         the plain attempt (a stream with duplicates would otherwise pay twice each time)."""
         retention_td = self.store.retention_for(scope, retention)
         columns = (
@@ -401,7 +403,7 @@ class FastPath:
     async def store_results(
         self, conn: asyncpg.Connection, scope: str, keys: list[str], encoded: list[str]
     ) -> None:
-        """Batch mode: set the JSON results of rows claimed by :meth:`claim_many`."""
+        """Batch mode: set the JSON results of rows claimed by `claim_many`."""
         if not keys:
             return
         sql = (
@@ -420,7 +422,7 @@ class FastPath:
         self, conn: asyncpg.Connection, scope: str, key: str, response: StoredResponse
     ) -> None:
         """HTTP, transactional fast path: store the response on the row this transaction
-        claimed with :meth:`begin_and_claim` (it commits with the endpoint's writes)."""
+        claimed with `begin_and_claim` (it commits with the endpoint's writes)."""
         sql = (
             f"UPDATE {self.store.table} SET http_status = $3, http_headers = $4::jsonb,"
             " http_body = $5"

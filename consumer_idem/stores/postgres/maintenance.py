@@ -1,7 +1,11 @@
 """Keeping the Postgres store tidy and visible: sweep, prune, stats and the key listing.
 
-Each operation returns a frozen report (:class:`SweepReport`, :class:`PruneReport`,
-:class:`StoreStats`, :class:`KeyPage`) rather than a bare count, so the CLI and any scheduler can
+Each operation returns a frozen report
+([`SweepReport`][consumer_idem.stores.postgres.maintenance.SweepReport],
+[`PruneReport`][consumer_idem.stores.postgres.maintenance.PruneReport],
+[`StoreStats`][consumer_idem.stores.postgres.maintenance.StoreStats],
+[`KeyPage`][consumer_idem.stores.postgres.maintenance.KeyPage]) rather than a bare count, so the CLI
+and any scheduler can
 say what happened in the store's own terms. The long ones (sweep, prune) work in small batches
 (short locks, ``SKIP LOCKED`` so several can run at once) and report after every batch through
 ``on_batch``.
@@ -133,7 +137,7 @@ class KeyInfo:
 
 @dataclass(frozen=True, slots=True)
 class KeyPage:
-    """One page of :meth:`Maintenance.list_keys`."""
+    """One page of `Maintenance.list_keys`."""
 
     keys: tuple[KeyInfo, ...] = ()
     #: ``after`` for the next page; None when this page is the last
@@ -445,7 +449,7 @@ class Maintenance:
         return report
 
     async def _prune_batch(self, sql: str, args: tuple[Any, ...]) -> list[Any]:
-        """Run one prune batch: ``sql`` (see :func:`_prune_statement`) with ``args``."""
+        """Run one prune batch: ``sql`` (see `_prune_statement`) with ``args``."""
         store = self.store
 
         async def batch(c: Any) -> list[Any]:
@@ -594,11 +598,11 @@ class Maintenance:
         limit: int = 50,
         after: str | None = None,
     ) -> tuple[str, list[Any]]:
-        """The SQL and arguments of :meth:`list_keys` (one row more than ``limit``, to know
+        """The SQL and arguments of `list_keys` (one row more than ``limit``, to know
         whether another page follows). Only the filters given become conditions, and the
         statuses are literals, so the planner can use the partial index of migration 8 (whose
         predicate also asks for ``updated_at > '-infinity'``, always true, which only this
-        query and :meth:`count_unknown` state)."""
+        query and `count_unknown` state)."""
         if not 1 <= limit <= MAX_PAGE:
             raise ValueError(f"limit must be between 1 and {MAX_PAGE}, not {limit}")
         where: list[str] = []

@@ -2,15 +2,16 @@
 
 Not the re-dispatch outbox (``store.redispatch``: originals of ``unknown`` records that the
 reconciler sends again). A row here is a message a handler published through
-:func:`consumer_idem.outbox.outbox_for`; it is inserted in the unit's own transaction (by
-:meth:`Outbox.insert_sql`, in the round trip of the unit's COMMIT), so it exists exactly when the
+[`consumer_idem.outbox.outbox_for`][consumer_idem.outbox.outbox_for]; it is inserted in the unit's
+own transaction (by
+`Outbox.insert_sql`, in the round trip of the unit's COMMIT), so it exists exactly when the
 unit committed. Its life: ``pending`` -> ``sent`` (the broker confirmed it; pruned after the
 retention) or ``parked`` (the broker refuses it for good: kept, with its reason, for an operator).
 
 The process that committed the unit sends it right away and marks it sent by its unit
-coordinates (:meth:`Outbox.mark_sent`). A relay takes what is still pending once it is due
-(:meth:`Outbox.claim_due`, ``FOR UPDATE SKIP LOCKED``: relays in several processes never hold
-the same row) and settles it in the same transaction (:meth:`Outbox.settle_claimed`).
+coordinates (`Outbox.mark_sent`). A relay takes what is still pending once it is due
+(`Outbox.claim_due`, ``FOR UPDATE SKIP LOCKED``: relays in several processes never hold
+the same row) and settles it in the same transaction (`Outbox.settle_claimed`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class OutgoingMessage:
     ``headers`` include ``idempotency-key`` (its value is ``idempotency_key``). ``run``: the
     execution of the unit that published it (a new one each time the key runs as new work);
     ``route``: the transport and broker of the sender it is for (None: not known where it was
-    published; see :data:`consumer_idem.outbox_routes`). ``id`` and ``attempts`` are the row's,
+    published; see `consumer_idem.outbox_routes`). ``id`` and ``attempts`` are the row's,
     once read back from the table (a relay's messages)."""
 
     destination: str
@@ -224,7 +225,7 @@ class Outbox:
         return ""
 
     def insert_sql(self, messages: Sequence[OutgoingMessage]) -> str:
-        """One INSERT of ``messages`` as SQL literals (see :meth:`stage`). Empty when there
+        """One INSERT of ``messages`` as SQL literals (see `stage`). Empty when there
         is nothing to insert."""
         if not messages:
             return ""
@@ -247,7 +248,7 @@ class Outbox:
     @staticmethod
     def _units(messages: Sequence[OutgoingMessage]) -> str:
         """The rows of ``messages`` (by their unit coordinates), in a statement that commits
-        without waiting for the disk (see :data:`LAZY_COMMIT`). Literals, sent as a simple
+        without waiting for the disk (see `LAZY_COMMIT`). Literals, sent as a simple
         query: planned for these very rows each time. A prepared statement settles on a generic
         plan after a few runs, and one made for a handful of rows (a consumer's single units)
         compares every row to every other once a batch marks a thousand."""
@@ -335,12 +336,12 @@ class Outbox:
         messages (ids up to ``upto``; None: any) for ``route`` (the relay's sender's) that no other
         relay holds, shared out between their destinations, each destination's in publishing order.
         Rows with no route (written before version 9, or where no sender was attached) are taken
-        only when ``scopes`` names the scopes to take. Due: older than :attr:`relay_after` (never
+        only when ``scopes`` names the scopes to take. Due: older than `relay_after` (never
         tried), or past the backoff of a failed attempt. A destination with a message backing off is
         held as a whole, in the query: it never takes the place of one that can be sent. A message
         waits while an earlier one of its run, destination and key is pending and not among them
         (held by another relay): order is kept per destination key. The transaction's COMMIT will
-        not wait for the disk (:data:`LAZY_COMMIT`)."""
+        not wait for the disk (`LAZY_COMMIT`)."""
         table = self.table
         mine = (
             "coalesce(route, '') = ANY($4::text[])"
@@ -409,10 +410,10 @@ class Outbox:
         failed: Sequence[tuple[OutgoingMessage, str, float]] = (),
         parked: Sequence[tuple[OutgoingMessage, str]] = (),
     ) -> None:
-        """Inside the relay's transaction: what became of the messages :meth:`claim_due` locked
+        """Inside the relay's transaction: what became of the messages `claim_due` locked
         (``failed``: (message, error, seconds before it is due again); ``parked``: (message,
-        reason)). Literals, as in :meth:`_units`: in an outage every row of a batch fails, and
-        the rows pending are many. By id alone: :meth:`claim_due` locked these rows, so they
+        reason)). Literals, as in `_units`: in an outage every row of a batch fails, and
+        the rows pending are many. By id alone: `claim_due` locked these rows, so they
         are still pending, and ``AND status = 'pending'`` would let the planner take the
         partial index of unsent messages (priced by its last vacuum) for the primary key and
         walk it whole: during a backlog, every batch of the relay read the backlog."""

@@ -9,7 +9,7 @@ quarter of a duplicate's.
 The library leaves no session state on a connection it gives back: its settings are
 ``SET LOCAL`` (gone at the end of the transaction), its locks transaction-scoped, its LISTEN
 undone before release, and its prepared statements are meant to stay. So when your handlers
-leave none either, pass :func:`no_reset` as the pool's ``reset``; asyncpg still rolls back a
+leave none either, pass `no_reset` as the pool's ``reset``; asyncpg still rolls back a
 transaction left open (and drops listener callbacks) before calling it.
 """
 

@@ -11,9 +11,10 @@ HTTP ``wait`` polls instead of listening. Migrations run in one transaction and 
 pooler too.
 
 A pooler in session mode, or none, needs nothing: leave ``pooler`` out. Its port and host say
-nothing for sure, so the mode is the deployment's to say. :func:`detect_pooler` is an optional
+nothing for sure, so the mode is the deployment's to say.
+[`detect_pooler`][consumer_idem.stores.postgres.pooler.detect_pooler] is an optional
 probe that is certain when it answers ``"transaction"`` (two open connections served by one
-server process) and inconclusive otherwise. :func:`check_pool` refuses a pool whose
+server process) and inconclusive otherwise. `check_pool` refuses a pool whose
 connections keep asyncpg's statement cache, which a transaction pooler breaks sooner or later.
 """
 
@@ -33,7 +34,8 @@ TRANSACTION_POOL_OPTIONS: dict[str, Any] = {"statement_cache_size": 0}
 
 
 def validate_pooler(pooler: object) -> Pooler:
-    """``pooler`` itself, or a :class:`ConfigurationError` naming the values there are."""
+    """``pooler`` itself, or a [`ConfigurationError`][consumer_idem.ConfigurationError] naming the
+    values there are."""
     if pooler is None or pooler in get_args(Literal["transaction"]):
         return pooler  # type: ignore[return-value]  # checked against the Literal just now
     raise ConfigurationError(
@@ -60,7 +62,8 @@ _PROBE = "SELECT $1::int AS consumer_idem_pooler_probe"
 
 
 async def check_pool(conn: asyncpg.Connection) -> None:
-    """Refuse (:class:`ConfigurationError`) a connection that keeps asyncpg's statement cache,
+    """Refuse ([`ConfigurationError`][consumer_idem.ConfigurationError]) a connection that keeps
+    asyncpg's statement cache,
     for a store in transaction-pooler mode. Inside one transaction (one server connection),
     a cached statement shows in ``pg_prepared_statements`` under asyncpg's name for it."""
     async with conn.transaction():

@@ -44,7 +44,7 @@ class Reconciliation:
         notice: Notice | None = None,
         due_in: timedelta | float = 0.0,
     ) -> tuple[Record, PendingRedispatch | None]:
-        """:meth:`resolve`, returning the armed re-dispatch too ("not executed" with an original
+        """`resolve`, returning the armed re-dispatch too ("not executed" with an original
         kept, or carried by ``notice``; due after ``due_in``)."""
         retention_td = self.store.retention_for(scope, retention)
         if isinstance(resolution, Executed):
@@ -213,11 +213,11 @@ class Reconciliation:
     ) -> PendingRedispatch | None:
         """Resolve an ``unknown`` record as not executed and, in the same transaction, arm its
         original message for a re-dispatch (due after ``due_in``): the one kept by
-        :meth:`keep_original`, else the one ``notice`` carries. Returns the armed outbox row
-        (send it, then :meth:`redispatch_done`), or None when no original exists anywhere (no
+        `keep_original`, else the one ``notice`` carries. Returns the armed outbox row
+        (send it, then `redispatch_done`), or None when no original exists anywhere (no
         delivery of it was acked: the broker delivers it again). A crash after this commit
         cannot lose the work: the sweeper sends every due armed row. Raises
-        :class:`NotUnknown` if the record is not ``unknown``."""
+        [`NotUnknown`][consumer_idem.NotUnknown] if the record is not ``unknown``."""
         _, entry = await self.settle(scope, key, resolution, notice=notice, due_in=due_in)
         return entry
 
@@ -230,7 +230,7 @@ class Reconciliation:
         *,
         due_in: timedelta | float = timedelta(seconds=60),
     ) -> int:
-        """:meth:`resolve_not_executed` for a notice that carries the original; returns the
+        """`resolve_not_executed` for a notice that carries the original; returns the
         armed outbox row's id."""
         if not notice.original:
             raise ValueError("a re-dispatch needs the notice's source and original body")

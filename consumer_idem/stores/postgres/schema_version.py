@@ -20,7 +20,8 @@ class SchemaVersion:
         self.store = store
 
     async def migrate(self) -> list[int]:
-        """Create or upgrade the schema (see :meth:`PostgresStore.migrate`)."""
+        """Create or upgrade the schema (see
+        [`PostgresStore.migrate`][consumer_idem.PostgresStore.migrate])."""
         schema = self.store.schema
 
         async def apply(c: Any) -> list[int]:
@@ -35,8 +36,9 @@ class SchemaVersion:
             await check_pool(conn)
 
     async def check(self) -> None:
-        """Raise :class:`SchemaMissing` when the schema is missing or older than this library
-        (see :meth:`PostgresStore.check_schema`)."""
+        """Raise [`SchemaMissing`][consumer_idem.SchemaMissing] when the schema is missing or older
+        than this library
+        (see [`PostgresStore.check_schema`][consumer_idem.PostgresStore.check_schema])."""
         schema = self.store.schema
         wanted = max(m.version for m in migrate.available())
         sql = f'SELECT coalesce(max(version), 0) FROM "{schema}".schema_migrations'

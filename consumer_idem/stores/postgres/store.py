@@ -2,8 +2,10 @@
 
 Every write after a reservation is conditional on the owner token (fencing), and every database
 failure surfaces as a library error so that no caller proceeds unprotected: an outage as
-:class:`StoreUnavailable` (wait it out), a missing schema as :class:`SchemaMissing`, and only
-what the message's data caused as :class:`StoreRejected` (see ``pg_errors``).
+[`StoreUnavailable`][consumer_idem.StoreUnavailable] (wait it out), a missing schema as
+[`SchemaMissing`][consumer_idem.SchemaMissing], and only
+what the message's data caused as [`StoreRejected`][consumer_idem.StoreRejected] (see
+``pg_errors``).
 """
 
 from __future__ import annotations
@@ -89,16 +91,16 @@ class PostgresStore(StoreBase):
     writes and the store's transition commit together.
 
     This class holds the reservation state machine and the owner transitions; its other jobs
-    are parts of their own: ``fast_path`` (:class:`FastPath`, the claim engine's transactional
-    path), ``reconciliation`` (:class:`Reconciliation`), ``redispatch``
-    (:class:`RedispatchOutbox`, the originals kept for ``unknown`` records), ``outbox``
-    (:class:`Outbox`, the transactional outbox: messages handlers publish through
-    ``outbox_for(conn)``) and ``maintenance`` (:class:`Maintenance`: sweep, prune, stats and the
+    are parts of their own: ``fast_path`` (`FastPath`, the claim engine's transactional
+    path), ``reconciliation`` (`Reconciliation`), ``redispatch``
+    (`RedispatchOutbox`, the originals kept for ``unknown`` records), ``outbox``
+    (`Outbox`, the transactional outbox: messages handlers publish through
+    ``outbox_for(conn)``) and ``maintenance`` (`Maintenance`: sweep, prune, stats and the
     key listing, with typed reports).
 
     ``pooler="transaction"``: the pool reaches PostgreSQL through a transaction pooler
     (PgBouncer ``pool_mode=transaction``, most managed providers' pooled ports); create it with
-    ``statement_cache_size=0`` (:func:`~consumer_idem.stores.postgres.pooler.create_pool`).
+    ``statement_cache_size=0`` ([`create_pool`][consumer_idem.stores.postgres.pooler.create_pool]).
     """
 
     def __init__(
@@ -159,7 +161,7 @@ class PostgresStore(StoreBase):
         **pool_options: Any,
     ) -> PostgresStore:
         """A store made at import time: its asyncpg pool (``asyncpg.create_pool(dsn,
-        **pool_options)``, see :class:`DsnPool`) opens on first use, or when you await
+        **pool_options)``, see `DsnPool`) opens on first use, or when you await
         ``store.open()`` (or enter ``async with store:``) in your app's start-up, and closes
         with ``await store.close()``. Tasks that use it first at the same moment share one
         pool; a use after ``close()`` opens a new one. ``store.pool`` also runs your own
@@ -177,14 +179,14 @@ class PostgresStore(StoreBase):
         )
 
     async def open(self) -> PostgresStore:
-        """Open the pool of a store made with :meth:`from_dsn` now (a store given a pool has
+        """Open the pool of a store made with `from_dsn` now (a store given a pool has
         nothing to open): an unreachable database fails the start-up, not the first message."""
         if isinstance(self.pool, DsnPool):
             await self.pool.open()
         return self
 
     async def close(self) -> None:
-        """Close the pool of a store made with :meth:`from_dsn`; a pool you passed in is
+        """Close the pool of a store made with `from_dsn`; a pool you passed in is
         yours to close, and stays open."""
         if isinstance(self.pool, DsnPool):
             await self.pool.close()
@@ -206,10 +208,12 @@ class PostgresStore(StoreBase):
     def error_for(
         self, operation: str, exc: BaseException, scope: str = "", conn: Any = None
     ) -> ConsumerIdemError:
-        """The library error for a failed store operation: :class:`StoreUnavailable` for an
-        outage, :class:`SchemaMissing` or :class:`StoreRejected` for what the data caused
+        """The library error for a failed store operation:
+        [`StoreUnavailable`][consumer_idem.StoreUnavailable] for an
+        outage, [`SchemaMissing`][consumer_idem.SchemaMissing] or
+        [`StoreRejected`][consumer_idem.StoreRejected] for what the data caused
         (see ``pg_errors``). ``conn``: the connection it failed on, closed when the server
-        cannot take writes (see :class:`WrongNode`)."""
+        cannot take writes (see `WrongNode`)."""
         return self._connections.error_for(operation, exc, scope, conn)
 
     @staticmethod
@@ -242,8 +246,10 @@ class PostgresStore(StoreBase):
         return await self._schema_version.migrate()
 
     async def check_schema(self) -> None:
-        """Fail fast at start-up: raise :class:`SchemaMissing` (naming the command that fixes it)
-        when the schema is missing or older than this library, :class:`StoreUnavailable` when
+        """Fail fast at start-up: raise [`SchemaMissing`][consumer_idem.SchemaMissing] (naming the
+        command that fixes it)
+        when the schema is missing or older than this library,
+        [`StoreUnavailable`][consumer_idem.StoreUnavailable] when
         the database cannot be reached. Runners call it before consuming."""
         await self._schema_version.check()
 
@@ -259,7 +265,7 @@ class PostgresStore(StoreBase):
         retention: timedelta | float | None = None,
         conn: asyncpg.Connection | None = None,
     ) -> Decision:
-        """Decide what this delivery may do (see :class:`DecisionKind`)."""
+        """Decide what this delivery may do (see [`DecisionKind`][consumer_idem.DecisionKind])."""
         scope, key = self.check(scope, key)
         cached = await self.cached_decision(scope, key, fingerprint)
         if cached is not None:
@@ -363,7 +369,8 @@ class PostgresStore(StoreBase):
         conn: asyncpg.Connection | None = None,
     ) -> Record:
         """Store the result and mark the record ``completed``. Pass ``conn`` to commit it with
-        your own writes. Raises :class:`LeaseLost` when this owner no longer holds the record."""
+        your own writes. Raises [`LeaseLost`][consumer_idem.LeaseLost] when this owner no longer
+        holds the record."""
         retention_td = self.retention_for(scope, retention)
         record = await self._owner_update(
             "complete",
@@ -452,9 +459,9 @@ class PostgresStore(StoreBase):
     ) -> Record:
         """Settle an ``unknown`` record (the reconciliation path only): ``Executed`` ->
         ``completed`` with its result, ``NotExecuted`` -> ``failed_retryable``.
-        Raises :class:`NotUnknown` if the record is not ``unknown``.
+        Raises [`NotUnknown`][consumer_idem.NotUnknown] if the record is not ``unknown``.
 
-        The original message kept for the record (:meth:`keep_original`) is settled in the same
+        The original message kept for the record (`keep_original`) is settled in the same
         transaction: deleted on ``Executed``; on ``NotExecuted`` armed, due now, so the sweeper
         re-dispatches it (its delivery was acked: nothing else would run it again)."""
         record, _ = await self.reconciliation.settle(
@@ -478,8 +485,9 @@ class PostgresStore(StoreBase):
 
     async def evict(self, scope: str, key: str, *, token: uuid.UUID | None = None) -> bool:
         """Delete a record. With ``token``, only while that owner still holds it (an owner
-        cleaning up after itself); without, as an operator (:meth:`evict_record`): False when
-        there is no record, :class:`KeyHeld` when a worker holds it (nothing evicted)."""
+        cleaning up after itself); without, as an operator (`evict_record`): False when
+        there is no record, [`KeyHeld`][consumer_idem.KeyHeld] when a worker holds it (nothing
+        evicted)."""
         return await self._evictions.evict(scope, key, token=token)
 
     async def evict_record(
