@@ -247,6 +247,11 @@ def field_identity(name: str, what: str) -> Callable[[dict[str, Any], Mapping[st
     return lambda event, headers: string_field(event, name, what)
 
 
+def raw_body(body: bytes, timestamp: str | None, headers: Mapping[str, str]) -> bytes:
+    """The signed string of the senders that sign the raw body alone (no timestamp)."""
+    return body
+
+
 def bare_signature(value: str) -> tuple[str | None, list[str]]:
     """A header that is the signature alone (Razorpay, Checkout.com, Shopify)."""
     return None, [value]

@@ -3,7 +3,7 @@ hex; no timestamp. The identity is the event's ``id`` (``evt_...``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from consumer_idem.webhooks._verify import (
     HmacVerifier,
@@ -11,18 +11,14 @@ from consumer_idem.webhooks._verify import (
     bare_signature,
     field_identity,
     hmac_sha256,
+    raw_body,
 )
-
-
-def _signed(body: bytes, timestamp: str | None, headers: Mapping[str, str]) -> bytes:
-    return body
-
 
 CHECKOUT = Scheme(
     sender="checkout",
     header="cko-signature",
     split=bare_signature,
-    template=_signed,
+    template=raw_body,
     encoding="hex",
     identity=field_identity("id", "Checkout.com event"),
 )

@@ -4,10 +4,16 @@ HMAC-SHA256 of the raw body with the webhook's secret; no timestamp. The identit
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from consumer_idem.errors import WebhookVerificationError
-from consumer_idem.webhooks._verify import HmacVerifier, Scheme, header_identity, hmac_sha256
+from consumer_idem.webhooks._verify import (
+    HmacVerifier,
+    Scheme,
+    header_identity,
+    hmac_sha256,
+    raw_body,
+)
 
 
 def _split(value: str) -> tuple[str | None, list[str]]:
@@ -17,15 +23,11 @@ def _split(value: str) -> tuple[str | None, list[str]]:
     return None, [signature]
 
 
-def _signed(body: bytes, timestamp: str | None, headers: Mapping[str, str]) -> bytes:
-    return body
-
-
 GITHUB = Scheme(
     sender="github",
     header="x-hub-signature-256",
     split=_split,
-    template=_signed,
+    template=raw_body,
     encoding="hex",
     identity=header_identity("x-github-delivery"),
 )

@@ -3,7 +3,7 @@ set in the Dashboard, hex; no timestamp. The identity is the ``x-razorpay-event-
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from consumer_idem.webhooks._verify import (
     HmacVerifier,
@@ -11,18 +11,14 @@ from consumer_idem.webhooks._verify import (
     bare_signature,
     header_identity,
     hmac_sha256,
+    raw_body,
 )
-
-
-def _signed(body: bytes, timestamp: str | None, headers: Mapping[str, str]) -> bytes:
-    return body
-
 
 RAZORPAY = Scheme(
     sender="razorpay",
     header="x-razorpay-signature",
     split=bare_signature,
-    template=_signed,
+    template=raw_body,
     encoding="hex",
     identity=header_identity("x-razorpay-event-id"),
 )

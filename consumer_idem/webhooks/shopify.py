@@ -3,7 +3,7 @@ secret, base64; no timestamp. The identity is the ``X-Shopify-Webhook-Id`` heade
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from consumer_idem.webhooks._verify import (
     HmacVerifier,
@@ -11,18 +11,14 @@ from consumer_idem.webhooks._verify import (
     bare_signature,
     header_identity,
     hmac_sha256,
+    raw_body,
 )
-
-
-def _signed(body: bytes, timestamp: str | None, headers: Mapping[str, str]) -> bytes:
-    return body
-
 
 SHOPIFY = Scheme(
     sender="shopify",
     header="x-shopify-hmac-sha256",
     split=bare_signature,
-    template=_signed,
+    template=raw_body,
     encoding="base64",
     identity=header_identity("x-shopify-webhook-id"),
 )
