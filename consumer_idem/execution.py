@@ -30,6 +30,7 @@ from consumer_idem.claim import (
 )
 from consumer_idem.commit import Rider
 from consumer_idem.errors import DomainError, PoisonMessage, Retryable
+from consumer_idem.result_types import result_type_of
 from consumer_idem.stores.base import Store
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.stores.results import encode_result
@@ -65,6 +66,7 @@ async def run_transactional(
     retention: timedelta | float | None = None,
     conn: asyncpg.Connection | None = None,
     rider: Rider | None = None,
+    result_type: Any = None,
 ) -> Outcome:
     """Claim, run ``handler(conn)`` and complete in one transaction, then commit.
 
@@ -84,8 +86,25 @@ async def run_transactional(
     ``conn`` (not in a
     transaction) to run on a connection you hold, e.g. one per consumer worker, instead of a
     pooled one. ``rider``: a statement of yours committed with the completion, in the same
-    round trip (see `Rider`).
+    round trip (see `Rider`). ``result_type``: the type a replayed result is read back as
+    (see `consumer_idem.result_types`; ``None``: the decoded JSON).
     """
+    outcome = await _run_transactional(
+        store, scope, key, fingerprint, handler, retention, conn, rider
+    )
+    return outcome if result_type is None else result_type_of(result_type).read(outcome)
+
+
+async def _run_transactional(
+    store: PostgresStore,
+    scope: str,
+    key: str | bytes,
+    fingerprint: str,
+    handler: TransactionalHandler,
+    retention: timedelta | float | None,
+    conn: asyncpg.Connection | None,
+    rider: Rider | None,
+) -> Outcome:
     scope, key = store.check(scope, key)
     cached = await store.cached_decision(scope, key, fingerprint)
     if cached is not None:  # a duplicate of completed work: no Postgres round trip at all
@@ -116,6 +135,7 @@ async def run_two_phase(
     local_writes: LocalWrites | None = None,
     lease: timedelta | float | None = None,
     retention: timedelta | float | None = None,
+    result_type: Any = None,
 ) -> Outcome:
     """Claim with a lease, run ``action(attempt)`` outside any transaction, then complete.
 
@@ -134,8 +154,25 @@ async def run_two_phase(
     Whenever a write of this attempt finds its lease gone (the lease expired and the record was
     parked, resolved or evicted), the outcome is what the record says now; this attempt reports
     nothing of its own. The sequence is `TwoPhaseClaim`, shared
-    with HTTP.
+    with HTTP. ``result_type``: the type a replayed result is read back as (see
+    `consumer_idem.result_types`; ``None``: the decoded JSON).
     """
+    outcome = await _run_two_phase(
+        store, scope, key, fingerprint, action, local_writes, lease, retention
+    )
+    return outcome if result_type is None else result_type_of(result_type).read(outcome)
+
+
+async def _run_two_phase(
+    store: Store,
+    scope: str,
+    key: str | bytes,
+    fingerprint: str,
+    action: TwoPhaseAction,
+    local_writes: LocalWrites | None,
+    lease: timedelta | float | None,
+    retention: timedelta | float | None,
+) -> Outcome:
     scope, key = store.check(scope, key)
     claim = TwoPhaseClaim(store, scope, key, fingerprint, lease=lease, retention=retention)
     decision = await claim.reserve()
