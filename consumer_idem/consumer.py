@@ -186,17 +186,19 @@ class IdempotentConsumer:
         except ValueError:  # JSON that RFC 8785 cannot canonicalise: its exact bytes, then
             return key, fingerprint_bytes(message.body)
 
-    def verdict(self, outcome: Outcome) -> Verdict:
-        """Map an outcome to what the transport must do."""
+    def verdict(self, outcome: Outcome, hooks: bool = True) -> Verdict:
+        """Map an outcome to what the transport must do (a replay's result read back as the
+        handler's result type). ``hooks``: call ``on_execute`` / ``on_replay`` now (batch mode
+        calls them itself, once its transaction has committed: `settled`)."""
         scope, key = outcome.scope, outcome.key
         kind = outcome.kind
         if kind is OutcomeKind.EXECUTED:
             verdict = Verdict(Action.ACK, scope, key, outcome)
-            if self.on_execute is not None:
+            if hooks and self.on_execute is not None:
                 call_hook(self.on_execute, verdict)
             return verdict
         if kind is OutcomeKind.REPLAYED:
-            return self._replayed(outcome)
+            return self._replayed(outcome, hooks)
         if kind is OutcomeKind.IN_PROGRESS:
             wait = min(max(outcome.retry_after, self.backoff_base), self.backoff_max)
             return Verdict(
@@ -261,7 +263,21 @@ class IdempotentConsumer:
             return Verdict(Action.ACK, scope, key, outcome, reason="unknown", reconcile=True)
         return Verdict(Action.ACK, scope, key, outcome, reason="unknown", duplicate=True)
 
-    def _replayed(self, outcome: Outcome) -> Verdict:
+    def settled(self, verdicts: Sequence[Verdict]) -> None:
+        """``on_execute`` / ``on_replay`` for verdicts whose fate is settled: an acked
+        execution, or a duplicate acked with the stored (or the batch's first) result."""
+        on_execute, on_replay = self.on_execute, self.on_replay
+        for verdict in verdicts:
+            outcome = verdict.outcome
+            if verdict.action is not Action.ACK or outcome is None:
+                continue
+            if outcome.kind not in (OutcomeKind.EXECUTED, OutcomeKind.REPLAYED):
+                continue
+            hook = on_replay if verdict.duplicate else on_execute
+            if hook is not None:
+                call_hook(hook, verdict)
+
+    def _replayed(self, outcome: Outcome, hooks: bool) -> Verdict:
         scope, key = outcome.scope, outcome.key
         try:
             outcome = self.result_type.read(outcome)
@@ -271,7 +287,7 @@ class IdempotentConsumer:
                 Action.DEAD_LETTER, scope, key, outcome, reason=exc.reason, error=error_text(exc)
             )
         verdict = Verdict(Action.ACK, scope, key, outcome, duplicate=True)
-        if self.on_replay is not None:
+        if hooks and self.on_replay is not None:
             call_hook(self.on_replay, verdict)
         return verdict
 

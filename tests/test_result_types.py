@@ -248,3 +248,13 @@ def test_unresolvable_return_annotation_refuses_at_decoration(store: PostgresSto
 
     with pytest.raises(TypeError, match="result_type="):
         idempotent_consumer(store, scope="typed.bad")(handler)
+
+
+def test_faststream_refuses_a_result_type_it_would_never_read(store: PostgresStore) -> None:
+    from faststream.kafka import KafkaBroker
+
+    from consumer_idem import IdempotencyConfigError
+    from consumer_idem.faststream import Idempotency
+
+    with pytest.raises(IdempotencyConfigError, match="stored JSON form"):
+        Idempotency(store, broker=KafkaBroker(), scope="typed.fs", result_type=Charge)

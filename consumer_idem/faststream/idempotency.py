@@ -102,6 +102,11 @@ class Idempotency:
         **options: Unpack[ConsumerArgs],
     ) -> None:
         self._store_source = store
+        if options.get("result_type") is not None and "result_type" in options:
+            raise IdempotencyConfigError(
+                "result_type= has nothing to read back here: FastStream publishes a handler's "
+                "result in its stored JSON form on the first run and on every replay alike"
+            )
         self.options = ConsumerOptions(scope=scope, mode=mode, **options)
         self.scope = scope
         self._consumer: IdempotentConsumer | None = None
