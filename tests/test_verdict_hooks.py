@@ -95,3 +95,26 @@ async def test_a_failing_hook_does_not_change_the_verdict(
     assert first.action is Action.ACK and first.result == "done" and not first.duplicate
     assert again.action is Action.ACK and again.duplicate
     assert "a verdict hook failed" in caplog.text
+
+
+async def test_a_batch_that_falls_back_calls_each_replay_hook_once(
+    store: PostgresStore, scope: str
+) -> None:
+    replays: list[str | None] = []
+
+    async def handler(msgs: list[ConsumerMessage], conn: asyncpg.Connection) -> list[int]:
+        if any(m.headers["idempotency-key"] == b"bad" for m in msgs):
+            raise RuntimeError("this member fails")
+        return [1 for _ in msgs]
+
+    consumer = idempotent_consumer(
+        store,
+        scope=scope,
+        batch=True,
+        key=header("idempotency-key"),
+        on_replay=lambda verdict: replays.append(verdict.key),
+    )(handler)
+    await consumer.process_batch([message("a")])
+    verdicts = await consumer.process_batch([message("a"), message("bad")])
+    assert verdicts[0].duplicate and verdicts[1].action is Action.RETRY
+    assert replays == ["a"]
