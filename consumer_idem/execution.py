@@ -89,26 +89,10 @@ async def run_transactional(
     round trip (see `Rider`). ``result_type``: the type a replayed result is read back as
     (see `consumer_idem.result_types`; ``None``: the decoded JSON).
     """
-    outcome = await _run_transactional(
-        store, scope, key, fingerprint, handler, retention, conn, rider
-    )
-    return outcome if result_type is None else result_type_of(result_type).read(outcome)
-
-
-async def _run_transactional(
-    store: PostgresStore,
-    scope: str,
-    key: str | bytes,
-    fingerprint: str,
-    handler: TransactionalHandler,
-    retention: timedelta | float | None,
-    conn: asyncpg.Connection | None,
-    rider: Rider | None,
-) -> Outcome:
     scope, key = store.check(scope, key)
     cached = await store.cached_decision(scope, key, fingerprint)
     if cached is not None:  # a duplicate of completed work: no Postgres round trip at all
-        return outcome_of(cached)
+        return _typed(outcome_of(cached), result_type)
     async with (
         store.connection(conn) as conn,
         TransactionalClaim(
@@ -116,13 +100,13 @@ async def _run_transactional(
         ) as claim,
     ):
         if claim.decision is not None:
-            return outcome_of(claim.decision)
+            return _typed(outcome_of(claim.decision), result_type)
         try:
             result = await handler(conn)
             encoded = encode_result(result)  # an unstorable result is a handler failure
         except (Exception, asyncio.CancelledError) as exc:
-            return await claim.fail(exc)
-        return await claim.complete(result, encoded=encoded)
+            return _typed(await claim.fail(exc), result_type)
+        return _typed(await claim.complete(result, encoded=encoded), result_type)
 
 
 async def run_two_phase(
@@ -157,43 +141,35 @@ async def run_two_phase(
     with HTTP. ``result_type``: the type a replayed result is read back as (see
     `consumer_idem.result_types`; ``None``: the decoded JSON).
     """
-    outcome = await _run_two_phase(
-        store, scope, key, fingerprint, action, local_writes, lease, retention
-    )
-    return outcome if result_type is None else result_type_of(result_type).read(outcome)
-
-
-async def _run_two_phase(
-    store: Store,
-    scope: str,
-    key: str | bytes,
-    fingerprint: str,
-    action: TwoPhaseAction,
-    local_writes: LocalWrites | None,
-    lease: timedelta | float | None,
-    retention: timedelta | float | None,
-) -> Outcome:
     scope, key = store.check(scope, key)
     claim = TwoPhaseClaim(store, scope, key, fingerprint, lease=lease, retention=retention)
     decision = await claim.reserve()
     if decision.kind is not DecisionKind.EXECUTE:
-        return outcome_of(decision)
+        return _typed(outcome_of(decision), result_type)
     assert claim.attempt is not None
     try:
         result = await action(claim.attempt)
     except Retryable as exc:
-        return await claim.fail_retryable(exc)
+        return _typed(await claim.fail_retryable(exc), result_type)
     except PoisonMessage as exc:  # refused before any external call: dead-lettered, not parked
-        return await claim.poison(exc)
+        return _typed(await claim.poison(exc), result_type)
     except DomainError as exc:
-        return await claim.complete(exc.result, result_kind=ResultKind.DOMAIN_ERROR)
+        return _typed(
+            await claim.complete(exc.result, result_kind=ResultKind.DOMAIN_ERROR), result_type
+        )
     except (Exception, asyncio.CancelledError) as exc:
         # Ambiguous, or unclassified: the external call may have happened. Park, never re-run.
-        return await claim.park(exc)
+        return _typed(await claim.park(exc), result_type)
     if local_writes is None:
-        return await claim.complete(result)
+        return _typed(await claim.complete(result), result_type)
 
     async def write(conn: asyncpg.Connection) -> None:
         await local_writes(conn, result)
 
-    return await claim.complete(result, writes=[write])
+    return _typed(await claim.complete(result, writes=[write]), result_type)
+
+
+def _typed(outcome: Outcome, result_type: Any) -> Outcome:
+    """``outcome`` with a replayed result read back as ``result_type`` (inline in the runners,
+    not a wrapper: the handler runs no frame deeper for it)."""
+    return outcome if result_type is None else result_type_of(result_type).read(outcome)
