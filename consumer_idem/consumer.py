@@ -58,7 +58,7 @@ from consumer_idem.verdict import error_text
 from consumer_idem.verdict import notice_reason as notice_reason
 from consumer_idem.verdict import reconcile_notice as reconcile_notice
 from consumer_idem.verdict import settled_by_commit as settled_by_commit
-from consumer_idem.verdict_hooks import call_hook
+from consumer_idem.verdict_hooks import call_hook, call_settled
 
 log = logging.getLogger("consumer_idem.consumer")
 
@@ -266,16 +266,7 @@ class IdempotentConsumer:
     def settled(self, verdicts: Sequence[Verdict]) -> None:
         """``on_execute`` / ``on_replay`` for verdicts whose fate is settled: an acked
         execution, or a duplicate acked with the stored (or the batch's first) result."""
-        on_execute, on_replay = self.on_execute, self.on_replay
-        for verdict in verdicts:
-            outcome = verdict.outcome
-            if verdict.action is not Action.ACK or outcome is None:
-                continue
-            if outcome.kind not in (OutcomeKind.EXECUTED, OutcomeKind.REPLAYED):
-                continue
-            hook = on_replay if verdict.duplicate else on_execute
-            if hook is not None:
-                call_hook(hook, verdict)
+        call_settled(self.on_execute, self.on_replay, verdicts)
 
     def _replayed(self, outcome: Outcome, hooks: bool) -> Verdict:
         scope, key = outcome.scope, outcome.key

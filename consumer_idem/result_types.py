@@ -32,7 +32,13 @@ from pydantic import PydanticUserError, TypeAdapter, ValidationError
 from consumer_idem.errors import StoredResultMismatch
 from consumer_idem.types import Outcome, OutcomeKind, ResultKind
 
-__all__ = ["FROM_ANNOTATION", "ResultType", "resolve_result_type", "result_type_of"]
+__all__ = [
+    "FROM_ANNOTATION",
+    "ResultType",
+    "UnsupportedResultType",
+    "resolve_result_type",
+    "result_type_of",
+]
 
 
 class _FromAnnotation:
@@ -55,16 +61,14 @@ class ResultType:
 
     __slots__ = ("adapter", "annotation")
 
-    def __init__(self, annotation: Any = None) -> None:
+    def __init__(self, annotation: Any = None, *, owner: str | None = None) -> None:
         self.annotation = None if annotation in _UNTYPED else annotation
         try:
             self.adapter: TypeAdapter[Any] | None = (
                 None if self.annotation is None else TypeAdapter(self.annotation)
             )
         except PydanticUserError as exc:  # a type pydantic cannot read back: say so now
-            raise TypeError(
-                f"results of type {_name(annotation)} cannot be read back on replay: {exc}"
-            ) from exc
+            raise UnsupportedResultType(annotation, owner) from exc
 
     def __repr__(self) -> str:
         return f"ResultType({self.annotation!r})"
@@ -79,13 +83,34 @@ class ResultType:
             or outcome.result_kind is ResultKind.DOMAIN_ERROR
         ):
             return outcome
-        try:
-            typed = adapter.validate_python(outcome.result)
-        except ValidationError as exc:
-            raise StoredResultMismatch(
-                outcome.scope, outcome.key, _name(self.annotation), str(exc)
-            ) from exc
+        typed = self.validate(outcome.result, outcome.scope, outcome.key)
         return dataclasses.replace(outcome, result=typed)
+
+    def validate(self, stored: Any, scope: str, key: str) -> Any:
+        """``stored`` (a result's JSON form) read back as the type; raises
+        `StoredResultMismatch`, naming ``scope`` and ``key``, when it does not fit."""
+        if self.adapter is None:
+            return stored
+        try:
+            return self.adapter.validate_python(stored)
+        except ValidationError as exc:
+            raise StoredResultMismatch(scope, key, _name(self.annotation), str(exc)) from exc
+
+
+class UnsupportedResultType(TypeError):
+    """A result type (a return annotation or ``result_type=``) pydantic cannot read a stored
+    result back as: refused when the handler is decorated, not on its first duplicate."""
+
+    def __init__(self, annotation: Any, owner: str | None = None) -> None:
+        where = "result_type=" if owner is None else f"the return annotation of {owner}"
+        super().__init__(
+            f"{where} names {_name(annotation)}, which a replay cannot be read back as: "
+            "pydantic cannot build it from the stored JSON. Return a pydantic model, a "
+            "dataclass, a TypedDict, a list or dict of them, or a Decimal, datetime, date, "
+            "UUID, Enum or plain JSON value; or pass result_type=None to replay the stored "
+            "JSON as it is (or result_type=<a type it fits>)"
+        )
+        self.annotation = annotation
 
 
 #: the one ResultType of untyped results (no adapter: ``read`` returns the outcome as it is)
@@ -114,7 +139,10 @@ def resolve_result_type(
         ) from exc
     if batch and annotation not in _UNTYPED:
         annotation = _element_type(annotation)
-    return result_type_of(annotation)
+    try:
+        return result_type_of(annotation)
+    except UnsupportedResultType as exc:  # name the handler whose annotation it is
+        raise UnsupportedResultType(annotation, _handler_name(handler)) from exc.__cause__
 
 
 def _return_annotation(handler: Callable[..., Any]) -> Any:
@@ -164,7 +192,9 @@ def _element_type(annotation: Any) -> Any:
 
 
 def _name(annotation: Any) -> str:
-    return getattr(annotation, "__qualname__", None) or repr(annotation)
+    if typing.get_origin(annotation) is None and isinstance(annotation, type):
+        return annotation.__qualname__
+    return repr(annotation)  # list[Charge], Decimal | None: the whole of it
 
 
 def _handler_name(handler: Callable[..., Any]) -> str:

@@ -8,11 +8,12 @@ logged and dropped: the effect is committed, so a failing counter never turns in
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-from consumer_idem.verdict import Verdict
+from consumer_idem.types import OutcomeKind
+from consumer_idem.verdict import Action, Verdict
 
-__all__ = ["VerdictHook", "call_hook"]
+__all__ = ["VerdictHook", "call_hook", "call_settled"]
 
 log = logging.getLogger("consumer_idem.hooks")
 
@@ -32,3 +33,19 @@ def call_hook(hook: VerdictHook, verdict: Verdict) -> None:
             hook,
             extra={"scope": verdict.scope, "key": verdict.key},
         )
+
+
+def call_settled(
+    on_execute: VerdictHook | None, on_replay: VerdictHook | None, verdicts: Iterable[Verdict]
+) -> None:
+    """``on_execute`` / ``on_replay`` for verdicts whose fate is settled: an acked execution,
+    or a duplicate acked with the stored result. Any other verdict calls neither."""
+    for verdict in verdicts:
+        outcome = verdict.outcome
+        if verdict.action is not Action.ACK or outcome is None:
+            continue
+        if outcome.kind not in (OutcomeKind.EXECUTED, OutcomeKind.REPLAYED):
+            continue
+        hook = on_replay if verdict.duplicate else on_execute
+        if hook is not None:
+            call_hook(hook, verdict)

@@ -4,18 +4,11 @@ is `StoredResultMismatch`, naming the scope and key."""
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
-import enum
-import uuid
-from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 
 import asyncpg
-import pydantic
 import pytest
-from typing_extensions import TypedDict  # pydantic reads typing's only from 3.12
 
 from consumer_idem import (
     Action,
@@ -29,73 +22,9 @@ from consumer_idem import (
     run_transactional,
     run_two_phase,
 )
+from tests._typed_cases import AT, CASES, ID, Charge, ChargeV2, annotated, same
 
 FP = "v1:jcs:typed"
-
-
-class Charge(pydantic.BaseModel):
-    id: uuid.UUID
-    amount: Decimal
-    at: datetime.datetime
-
-
-class ChargeV2(pydantic.BaseModel):  # a later release: a field the stored result lacks
-    id: uuid.UUID
-    amount: Decimal
-    at: datetime.datetime
-    currency: str
-
-
-@dataclasses.dataclass
-class Line:
-    sku: str
-    qty: int
-    price: Decimal
-
-
-class Totals(TypedDict):
-    count: int
-    day: datetime.date
-
-
-class Colour(enum.Enum):
-    RED = "red"
-    BLUE = "blue"
-
-
-ID = uuid.UUID("0b9c6a7e-1f1c-4d1e-9a55-3a7f4c2f8e01")
-AT = datetime.datetime(2026, 11, 27, 23, 5, tzinfo=datetime.UTC)
-
-#: (annotation, the value the handler returns): one per kind of type
-CASES: dict[str, tuple[Any, Any]] = {
-    "model": (Charge, Charge(id=ID, amount=Decimal("12.50"), at=AT)),
-    "dataclass": (Line, Line("sku-1", 2, Decimal("3.10"))),
-    "typeddict": (Totals, Totals(count=3, day=datetime.date(2026, 11, 27))),
-    "list_of_models": (list[Charge], [Charge(id=ID, amount=Decimal("1"), at=AT)]),
-    "dict_of_dataclasses": (dict[str, Line], {"a": Line("a", 1, Decimal("0.01"))}),
-    "decimal": (Decimal, Decimal("12.50")),
-    "datetime": (datetime.datetime, AT),
-    "date": (datetime.date, datetime.date(2026, 2, 28)),
-    "uuid": (uuid.UUID, ID),
-    "enum": (Colour, Colour.BLUE),
-}
-
-
-def same(first: Any, again: Any) -> None:
-    """Equal, and of the same type all the way down (a list's items, a dict's values)."""
-    assert again == first
-    assert type(again) is type(first)
-    if isinstance(first, list):
-        for a, b in zip(first, again, strict=True):
-            same(a, b)
-    if isinstance(first, dict):
-        for name in first:
-            same(first[name], again[name])
-
-
-def annotated(func: Callable[..., Any], annotation: Any) -> Callable[..., Any]:
-    func.__annotations__ = {**func.__annotations__, "return": annotation}
-    return func
 
 
 def message(key: str) -> ConsumerMessage:
@@ -123,7 +52,7 @@ async def test_decorated_handler_replays_the_annotated_type(
     same(first.result, again.result)
 
 
-@pytest.mark.parametrize("case", ["model", "decimal", "enum"])
+@pytest.mark.parametrize("case", CASES)
 async def test_two_phase_handler_replays_the_annotated_type(
     store: PostgresStore, scope: str, case: str
 ) -> None:
@@ -141,17 +70,22 @@ async def test_two_phase_handler_replays_the_annotated_type(
     same(first.result, again.result)
 
 
-async def test_batch_handler_replays_its_element_type(store: PostgresStore, scope: str) -> None:
+@pytest.mark.parametrize("case", CASES)
+async def test_batch_handler_replays_its_element_type(
+    store: PostgresStore, scope: str, case: str
+) -> None:
+    annotation, value = CASES[case]
+
     async def handler(msgs: list[ConsumerMessage], conn: asyncpg.Connection) -> Any:
-        return [Line(f"s{i}", i, Decimal("2.5")) for i, _ in enumerate(msgs)]
+        return [value for _ in msgs]
 
     consumer = idempotent_consumer(store, scope=scope, batch=True, key=header("idempotency-key"))(
-        annotated(handler, list[Line] | None)
+        annotated(handler, list[annotation] | None)  # type: ignore[valid-type]
     )
     batch = [message("a"), message("b")]
     first = await consumer.process_batch(batch)
     again = await consumer.process_batch([m.fresh() for m in batch])
-    assert all(v.duplicate for v in again)
+    assert all(v.duplicate for v in again) and not any(v.duplicate for v in first)
     for a, b in zip(first, again, strict=True):
         same(a.result, b.result)
 
@@ -171,7 +105,7 @@ async def test_run_transactional_replays_result_type(
     same(first.result, again.result)
 
 
-@pytest.mark.parametrize("case", ["model", "datetime", "uuid"])
+@pytest.mark.parametrize("case", CASES)
 async def test_run_two_phase_replays_result_type(
     store: PostgresStore, scope: str, case: str
 ) -> None:
@@ -216,6 +150,51 @@ async def test_consumer_dead_letters_a_replay_its_changed_model_refuses(
     assert verdict.error is not None and scope in verdict.error and "'k'" in verdict.error
 
 
+async def test_run_two_phase_raises_a_mismatch_for_a_changed_model(
+    store: PostgresStore, scope: str
+) -> None:
+    async def action(attempt: Attempt) -> Any:
+        return CASES["model"][1]
+
+    await run_two_phase(store, scope, "k-2", FP, action, result_type=Charge)
+    with pytest.raises(StoredResultMismatch) as caught:
+        await run_two_phase(store, scope, "k-2", FP, action, result_type=ChargeV2)
+    assert caught.value.scope == scope and caught.value.key == "k-2"
+
+
+@pytest.mark.parametrize("mode", ["transactional", "two_phase", "batch"])
+async def test_every_consumer_mode_dead_letters_a_changed_model_naming_scope_and_key(
+    store: PostgresStore, scope: str, mode: str
+) -> None:
+    value = CASES["model"][1]
+
+    def make(annotation: Any) -> Any:
+        batch = mode == "batch"
+
+        async def handler(msg: Any, arg: Any) -> Any:
+            return [value for _ in msg] if batch else value
+
+        return idempotent_consumer(
+            store,
+            scope=scope,
+            key=header("idempotency-key"),
+            mode="two_phase" if mode == "two_phase" else "transactional",
+            batch=batch,
+        )(annotated(handler, list[annotation] if batch else annotation))
+
+    async def deliver(consumer: Any) -> Any:
+        if mode == "batch":
+            return (await consumer.process_batch([message("k")]))[0]
+        return await consumer.process(message("k"))
+
+    assert (await deliver(make(Charge))).action is Action.ACK
+    verdict = await deliver(make(ChargeV2))
+    assert verdict.action is Action.DEAD_LETTER, verdict
+    assert verdict.reason == "stored_result_mismatch"
+    assert verdict.error is not None and scope in verdict.error and "'k'" in verdict.error
+    assert "currency" in verdict.error
+
+
 async def test_module_level_annotation_is_read_at_decoration(
     store: PostgresStore, scope: str
 ) -> None:
@@ -250,11 +229,21 @@ def test_unresolvable_return_annotation_refuses_at_decoration(store: PostgresSto
         idempotent_consumer(store, scope="typed.bad")(handler)
 
 
-def test_faststream_refuses_a_result_type_it_would_never_read(store: PostgresStore) -> None:
-    from faststream.kafka import KafkaBroker
+class Opaque:  # a plain class: pydantic cannot build it from JSON
+    def __init__(self, n: int) -> None:
+        self.n = n
 
-    from consumer_idem import IdempotencyConfigError
-    from consumer_idem.faststream import Idempotency
 
-    with pytest.raises(IdempotencyConfigError, match="stored JSON form"):
-        Idempotency(store, broker=KafkaBroker(), scope="typed.fs", result_type=Charge)
+def test_an_annotation_no_replay_can_read_back_refuses_at_decoration_naming_it(
+    store: PostgresStore,
+) -> None:
+    async def handler(msg: ConsumerMessage, conn: asyncpg.Connection) -> Opaque:
+        return Opaque(1)
+
+    with pytest.raises(TypeError) as caught:
+        idempotent_consumer(store, scope="typed.opaque")(handler)
+    text = str(caught.value)
+    assert "the return annotation of" in text and "handler" in text and "Opaque" in text
+    assert "result_type=None" in text and "arbitrary_types_allowed" not in text
+    with pytest.raises(TypeError, match=r"^result_type= names list\[.*Opaque\]"):
+        idempotent_consumer(store, scope="typed.opaque", result_type=list[Opaque])(handler)
