@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import pytest
-from faststream import AckPolicy, Context
+from faststream import AckPolicy, Context, Response
 from faststream.kafka import KafkaBroker, KafkaRouter, TestKafkaBroker
 from faststream.rabbit import RabbitBroker, RabbitRouter, TestRabbitBroker
 
@@ -145,6 +145,20 @@ async def test_a_batch_subscriber_hands_the_hooks_its_element_type(
     assert len(executed) == 1 and len(replayed) >= 1
     for verdict in [*executed, *replayed]:
         same(value, verdict.result)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_handler_annotated_with_faststreams_response_replays_it_as_published(
+    store: PostgresStore, scope: str, transport: str
+) -> None:
+    value = Response({"n": 1}, headers={"x-receipt": "r1"})
+    broker, tester, seen = app(transport, store, scope, Response, value)
+    async with tester(broker):
+        await broker.publish({"n": 1}, "in", headers={"idempotency-key": "k"})
+        await broker.publish({"n": 1}, "in", headers={"idempotency-key": "k"})
+    assert len(seen.out) == 2 and seen.out[0] == seen.out[1]
+    first, again = seen.executed[0].result, seen.replayed[0].result
+    assert isinstance(again, Response) and again.body == first.body == {"n": 1}
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -14,10 +14,18 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
+from faststream import Response
+
 from consumer_idem.errors import IdempotencyConfigError, StoredResultMismatch
 from consumer_idem.faststream import _compat
 from consumer_idem.faststream.results import _NOTHING, _published_form
-from consumer_idem.result_types import FROM_ANNOTATION, ResultType, resolve_result_type
+from consumer_idem.result_types import (
+    FROM_ANNOTATION,
+    UNTYPED,
+    ResultType,
+    UnsupportedResultType,
+    resolve_result_type,
+)
 from consumer_idem.types import OutcomeKind, ResultKind
 from consumer_idem.verdict import Action, Verdict, error_text
 from consumer_idem.verdict_hooks import call_settled
@@ -49,7 +57,7 @@ class SubscriberTypes:
         if self.explicit is not FROM_ANNOTATION:
             return resolve_result_type(None, self.explicit, batch=batch)
         handlers = [_compat.handler_function(c) for c in _compat.handler_calls(subscriber)]
-        types = [resolve_result_type(h, batch=batch) for h in handlers if h is not None]
+        types = [_type_of(h, batch) for h in handlers if h is not None]
         annotations = {repr(t.annotation) for t in types}
         if len(annotations) > 1:  # which handler ran is FastStream's routing, not ours
             raise IdempotencyConfigError(
@@ -57,7 +65,17 @@ class SubscriberTypes:
                 "pass Idempotency(result_type=...) (or None for the stored JSON), or give them "
                 "one return annotation"
             )
-        return types[0] if types else resolve_result_type(None, None)
+        return types[0] if types else UNTYPED
+
+
+def _type_of(handler: Any, batch: bool) -> ResultType:
+    try:
+        return resolve_result_type(handler, batch=batch)
+    except UnsupportedResultType as exc:
+        annotation = exc.annotation
+        if isinstance(annotation, type) and issubclass(annotation, Response):
+            return UNTYPED  # its body is published as it was stored, untyped
+        raise
 
 
 def typed(verdict: Verdict, result_type: ResultType) -> Verdict:
