@@ -7,14 +7,25 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+import aio_pika
 import pytest
+from aiokafka import AIOKafkaProducer
 from faststream import AckPolicy, Context, Response
 from faststream.kafka import KafkaBroker, KafkaRouter, TestKafkaBroker
-from faststream.rabbit import RabbitBroker, RabbitRouter, TestRabbitBroker
+from faststream.rabbit import (
+    QueueType,
+    RabbitBroker,
+    RabbitQueue,
+    RabbitRouter,
+    TestRabbitBroker,
+)
 
 from consumer_idem import PostgresStore, Verdict, header
+from consumer_idem.cli.settings import Settings
 from consumer_idem.faststream import Idempotency, IdempotencyConfigError
+from tests._payments import wait_until
 from tests._typed_cases import CASES, Charge, ChargeV2, annotated, same
+from tests.conftest import unique
 
 RawMessage = Annotated[Any, Context("message")]
 TRANSPORTS = ["kafka", "rabbit"]
@@ -173,3 +184,84 @@ async def test_an_unreadable_return_annotation_refuses_the_first_delivery(
         async with tester(broker):
             await broker.publish({"n": 1}, "in", headers={"idempotency-key": "k"})
     assert seen.executed == []
+
+
+# --- the real brokers -----------------------------------------------------------------------
+
+
+async def test_kafka_and_rabbitmq_brokers_replay_the_model_a_handler_returned(
+    settings: Settings,
+    store: PostgresStore,
+    kafka_topic_factory: Any,
+    kafka_producer: AIOKafkaProducer,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+) -> None:
+    """One key delivered twice through each real broker: the hooks get an equal `Charge` both
+    times, and the subscriber publishes the same bytes."""
+    value = CASES["model"][1]
+    seen: dict[str, list[Any]] = {"kafka": [], "rabbit": []}
+
+    async def run(transport: str, broker: Any, router: Any, source: Any, send: Any) -> None:
+        idem = Idempotency(
+            store,
+            broker=broker,
+            scope=unique("typed"),
+            key=header("idempotency-key"),
+            backoff=(0.05, 0.5),
+            on_execute=lambda v: seen[transport].append(v.result),
+            on_replay=lambda v: seen[transport].append(v.result),
+        )
+        router = router(middlewares=[idem])
+        extra = {"group_id": unique("g"), "auto_offset_reset": "earliest"}
+
+        @router.subscriber(
+            source, ack_policy=AckPolicy.MANUAL, **(extra if transport == "kafka" else {})
+        )
+        async def handle(data: Any) -> Charge:
+            return value  # type: ignore[no-any-return]
+
+        broker.include_router(router)
+        await send()
+        await broker.start()
+        try:
+
+            async def both() -> bool:
+                return len(seen[transport]) >= 2
+
+            await wait_until(both, 60, f"two {transport} deliveries settled")
+        finally:
+            await broker.stop()
+        first, again = seen[transport]
+        same(value, first)
+        same(first, again)
+
+    topic = await kafka_topic_factory("fstyped")
+
+    async def send_kafka() -> None:
+        for _ in range(2):
+            await kafka_producer.send_and_wait(
+                topic, b'{"n": 1}', headers=[("idempotency-key", b"k")]
+            )
+
+    kafka = KafkaBroker(settings.kafka_bootstrap, acks="all", enable_idempotence=True)
+    await run("kafka", kafka, KafkaRouter, topic, send_kafka)
+
+    queue = unique("fstyped")
+    channel = await amqp_connection.channel(publisher_confirms=True)
+    try:
+        await channel.declare_queue(queue, durable=True, arguments={"x-queue-type": "quorum"})
+
+        async def send_rabbit() -> None:
+            for _ in range(2):
+                await channel.default_exchange.publish(
+                    aio_pika.Message(b'{"n": 1}', headers={"idempotency-key": "k"}),
+                    routing_key=queue,
+                )
+
+        rabbit = RabbitBroker(settings.amqp_url)
+        source = RabbitQueue(queue, queue_type=QueueType.QUORUM)
+        await run("rabbit", rabbit, RabbitRouter, source, send_rabbit)
+    finally:
+        await channel.queue_delete(queue)
+        await channel.queue_delete(f"{queue}.dlq")
+        await channel.close()
