@@ -54,9 +54,12 @@ async def main() -> None:
     await store.migrate()
     headers = {"Idempotency-Key": uuid.uuid4().hex}
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
-        first = await client.post("/payments", json={"amount": 5}, headers=headers)
-        again = await client.post("/payments", json={"amount": 5}, headers=headers)
+    body = {"amount": 5}
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://x"
+    ) as http:
+        first = await http.post("/payments", json=body, headers=headers)
+        again = await http.post("/payments", json=body, headers=headers)
     assert (first.status_code, again.status_code) == (201, 201)
     assert "x-served-from" not in first.headers
     assert again.headers["x-served-from"] == "idempotency-record"
