@@ -3,6 +3,7 @@ replay, against the real store; a failing hook never changes a delivery's fate."
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 
 import asyncpg
@@ -10,6 +11,7 @@ import pytest
 
 from consumer_idem import (
     Action,
+    Attempt,
     ConsumerMessage,
     PostgresStore,
     Verdict,
@@ -118,3 +120,25 @@ async def test_a_batch_that_falls_back_calls_each_replay_hook_once(
     verdicts = await consumer.process_batch([message("a"), message("bad")])
     assert verdicts[0].duplicate and verdicts[1].action is Action.RETRY
     assert replays == ["a"]
+
+
+async def test_two_phase_hooks_see_the_typed_result_of_each_execution_and_replay(
+    store: PostgresStore, scope: str
+) -> None:
+    seen: list[tuple[bool, Any]] = []
+
+    async def handler(msg: ConsumerMessage, attempt: Attempt) -> Decimal:
+        return Decimal("12.50")
+
+    consumer = idempotent_consumer(
+        store,
+        scope=scope,
+        mode="two_phase",
+        key=header("idempotency-key"),
+        on_execute=lambda v: seen.append((v.duplicate, v.result)),
+        on_replay=lambda v: seen.append((v.duplicate, v.result)),
+    )(handler)
+    await consumer.process(message("k"))
+    await consumer.process(message("k"))
+    assert seen == [(False, Decimal("12.50")), (True, Decimal("12.50"))]
+    assert all(type(result) is Decimal for _, result in seen)
