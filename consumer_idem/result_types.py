@@ -12,7 +12,10 @@ or an explicit ``result_type=``; ``result_type=None``, no annotation, ``-> None`
 ``-> Any`` keep the decoded JSON. A stored result that no longer validates (the model changed
 between releases) raises
 [`StoredResultMismatch`][consumer_idem.errors.StoredResultMismatch], naming the scope and key:
-never a silent ``dict``. Only a success is read back this way: a
+never a silent ``dict``. An annotation pydantic cannot build from JSON (an ORM class, any
+plain class) is refused when the handler is decorated, with
+[`UnsupportedResultType`][consumer_idem.result_types.UnsupportedResultType] (a ``TypeError``)
+naming the handler and the type. Only a success is read back this way: a
 [`DomainError`][consumer_idem.errors.DomainError]'s stored result is the error's, not the
 handler's return type.
 """

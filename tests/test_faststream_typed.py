@@ -265,3 +265,25 @@ async def test_kafka_and_rabbitmq_brokers_replay_the_model_a_handler_returned(
         await channel.queue_delete(queue)
         await channel.queue_delete(f"{queue}.dlq")
         await channel.close()
+
+
+async def test_a_real_broker_with_an_unreadable_return_annotation_refuses_to_start(
+    settings: Settings, store: PostgresStore, scope: str
+) -> None:
+    class Opaque:
+        pass
+
+    broker = RabbitBroker(settings.amqp_url)
+    idem = Idempotency(store, broker=broker, scope=scope, key=header("idempotency-key"))
+    router = RabbitRouter(middlewares=[idem])
+
+    async def handle(data: Any) -> Any:
+        return None
+
+    router.subscriber(unique("opaque"), ack_policy=AckPolicy.MANUAL)(annotated(handle, Opaque))
+    broker.include_router(router)
+    try:
+        with pytest.raises(IdempotencyConfigError, match=r"refusing to start.*Opaque"):
+            await broker.start()
+    finally:
+        await broker.stop()
