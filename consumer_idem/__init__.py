@@ -36,6 +36,7 @@ from consumer_idem.errors import (
     Retryable,
     SchemaMissing,
     SessionRolledBack,
+    StoredResultMismatch,
     StoreRejected,
     StoreUnavailable,
     StreamCutShort,
@@ -64,6 +65,7 @@ from consumer_idem.message import ConsumerMessage
 from consumer_idem.metrics import Metrics
 from consumer_idem.options import ConsumerOptions
 from consumer_idem.outbox import OutboxRelay, OutboxService, UnitOutbox, outbox_for
+from consumer_idem.result_types import UnsupportedResultType
 from consumer_idem.stores.base import MAX_RETENTION, Store
 from consumer_idem.stores.cache import CompletedCache
 from consumer_idem.stores.postgres.maintenance import (
@@ -152,10 +154,12 @@ __all__ = [
     "StoreStats",
     "StoreUnavailable",
     "StoredResponse",
+    "StoredResultMismatch",
     "StreamCutShort",
     "SweepReport",
     "UnitOutbox",
     "UnstorableResult",
+    "UnsupportedResultType",
     "Verdict",
     "WebhookSecretError",
     "WebhookVerificationError",

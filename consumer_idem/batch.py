@@ -165,7 +165,9 @@ class BatchUnit:
             self.running.append(member)
             self.tokens[member.place] = decision.token
             return
-        decided = self.verdicts[member.place] = self.consumer.verdict(outcome_of(decision))
+        decided = self.verdicts[member.place] = self.consumer.verdict(
+            outcome_of(decision), hooks=False
+        )
         if decided.action is Action.RETRY and (self.cut is None or member.place < self.cut):
             self.cut = member.place
 
@@ -311,6 +313,9 @@ class BatchUnit:
             done.append(verdict)
             if verdict.action is Action.RETRY:
                 break
+        consumer = self.consumer
+        if consumer.on_execute is not None or consumer.on_replay is not None:
+            consumer.settled(done)  # committed: each member's hook, once
         return done
 
     def _judge_repeat(self, member: Member) -> None:

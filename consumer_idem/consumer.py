@@ -29,6 +29,7 @@ from consumer_idem.errors import (
     InvalidPayload,
     KeyInFlight,
     PoisonMessage,
+    StoredResultMismatch,
     StoreRejected,
     StoreUnavailable,
     UnstorableResult,
@@ -39,6 +40,7 @@ from consumer_idem.key_strategies import describe
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.options import ConsumerArgs, ConsumerOptions, Mode
 from consumer_idem.outbox import backpressure
+from consumer_idem.result_types import resolve_result_type
 from consumer_idem.stores.postgres.fast_path import Ahead
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.types import Outcome, OutcomeKind
@@ -56,6 +58,7 @@ from consumer_idem.verdict import error_text
 from consumer_idem.verdict import notice_reason as notice_reason
 from consumer_idem.verdict import reconcile_notice as reconcile_notice
 from consumer_idem.verdict import settled_by_commit as settled_by_commit
+from consumer_idem.verdict_hooks import call_hook, call_settled
 
 log = logging.getLogger("consumer_idem.consumer")
 
@@ -103,6 +106,10 @@ class IdempotentConsumer:
         self.retention = options.retention
         self.on_invalid_key = options.on_invalid_key
         self.backoff_base, self.backoff_max = options.backoff
+        # resolved once here: a replay reads its result back through it (result_types.py)
+        self.result_type = resolve_result_type(handler, options.result_type, batch=options.batch)
+        self.on_execute = options.on_execute
+        self.on_replay = options.on_replay
         self._retry_backoff = Backoff(self.backoff_base, self.backoff_max)
         self._store_failures = 0
         self._outage_since: float | None = None
@@ -179,14 +186,19 @@ class IdempotentConsumer:
         except ValueError:  # JSON that RFC 8785 cannot canonicalise: its exact bytes, then
             return key, fingerprint_bytes(message.body)
 
-    def verdict(self, outcome: Outcome) -> Verdict:
-        """Map an outcome to what the transport must do."""
+    def verdict(self, outcome: Outcome, hooks: bool = True) -> Verdict:
+        """Map an outcome to what the transport must do (a replay's result read back as the
+        handler's result type). ``hooks``: call ``on_execute`` / ``on_replay`` now (batch mode
+        calls them itself, once its transaction has committed: `settled`)."""
         scope, key = outcome.scope, outcome.key
         kind = outcome.kind
         if kind is OutcomeKind.EXECUTED:
-            return Verdict(Action.ACK, scope, key, outcome)
+            verdict = Verdict(Action.ACK, scope, key, outcome)
+            if hooks and self.on_execute is not None:
+                call_hook(self.on_execute, verdict)
+            return verdict
         if kind is OutcomeKind.REPLAYED:
-            return Verdict(Action.ACK, scope, key, outcome, duplicate=True)
+            return self._replayed(outcome, hooks)
         if kind is OutcomeKind.IN_PROGRESS:
             wait = min(max(outcome.retry_after, self.backoff_base), self.backoff_max)
             return Verdict(
@@ -250,6 +262,25 @@ class IdempotentConsumer:
         if outcome.parked_now:
             return Verdict(Action.ACK, scope, key, outcome, reason="unknown", reconcile=True)
         return Verdict(Action.ACK, scope, key, outcome, reason="unknown", duplicate=True)
+
+    def settled(self, verdicts: Sequence[Verdict]) -> None:
+        """``on_execute`` / ``on_replay`` for verdicts whose fate is settled: an acked
+        execution, or a duplicate acked with the stored (or the batch's first) result."""
+        call_settled(self.on_execute, self.on_replay, verdicts)
+
+    def _replayed(self, outcome: Outcome, hooks: bool) -> Verdict:
+        scope, key = outcome.scope, outcome.key
+        try:
+            outcome = self.result_type.read(outcome)
+        except StoredResultMismatch as exc:  # the type changed since: the same on every try
+            log.error("%s", exc, extra={"scope": scope, "key": key})
+            return Verdict(
+                Action.DEAD_LETTER, scope, key, outcome, reason=exc.reason, error=error_text(exc)
+            )
+        verdict = Verdict(Action.ACK, scope, key, outcome, duplicate=True)
+        if hooks and self.on_replay is not None:
+            call_hook(self.on_replay, verdict)
+        return verdict
 
     def _store_rejected(self, exc: StoreRejected, key: str | None) -> Verdict:
         log.error(

@@ -14,6 +14,7 @@ ConsumerIdemError
 ├── StoreRejected                    the database refuses the data: dead-letter, do not wait
 ├── CommitRolledBack                 COMMIT answered ROLLBACK: a handler failure
 ├── UnstorableResult (TypeError)     a result that cannot be stored as JSON
+├── StoredResultMismatch             a stored result that no longer fits the handler's type
 ├── LeaseLost                        fenced out: the record is no longer this owner's
 ├── KeyInFlight                      another transaction is claiming the key right now
 ├── KeyHeld                          an operator's evict of a key a worker holds: refused
@@ -235,6 +236,23 @@ class UnstorableResult(ConsumerIdemError, TypeError):
     delivery is dead-lettered with reason ``unstorable_result`` instead of being retried."""
 
     reason = "unstorable_result"
+
+
+class StoredResultMismatch(ConsumerIdemError):
+    """A replayed result that no longer validates against the handler's result type (its
+    return annotation or ``result_type=``): the model changed since the first run stored it.
+    Deterministic: the delivery is dead-lettered with reason ``stored_result_mismatch``; the
+    record stays as it is (the effect happened once)."""
+
+    reason = "stored_result_mismatch"
+
+    def __init__(self, scope: str, key: str, expected: str, detail: str) -> None:
+        super().__init__(
+            f"scope={scope!r} key={key!r}: the stored result is not a valid {expected}: {detail}"
+        )
+        self.scope = scope
+        self.key = key
+        self.expected = expected
 
 
 class SchemaMissing(ConsumerIdemError):

@@ -30,6 +30,7 @@ from consumer_idem.claim import (
 )
 from consumer_idem.commit import Rider
 from consumer_idem.errors import DomainError, PoisonMessage, Retryable
+from consumer_idem.result_types import result_type_of
 from consumer_idem.stores.base import Store
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.stores.results import encode_result
@@ -65,6 +66,7 @@ async def run_transactional(
     retention: timedelta | float | None = None,
     conn: asyncpg.Connection | None = None,
     rider: Rider | None = None,
+    result_type: Any = None,
 ) -> Outcome:
     """Claim, run ``handler(conn)`` and complete in one transaction, then commit.
 
@@ -84,12 +86,13 @@ async def run_transactional(
     ``conn`` (not in a
     transaction) to run on a connection you hold, e.g. one per consumer worker, instead of a
     pooled one. ``rider``: a statement of yours committed with the completion, in the same
-    round trip (see `Rider`).
+    round trip (see `Rider`). ``result_type``: the type a replayed result is read back as
+    (see `consumer_idem.result_types`; ``None``: the decoded JSON).
     """
     scope, key = store.check(scope, key)
     cached = await store.cached_decision(scope, key, fingerprint)
     if cached is not None:  # a duplicate of completed work: no Postgres round trip at all
-        return outcome_of(cached)
+        return _typed(outcome_of(cached), result_type)
     async with (
         store.connection(conn) as conn,
         TransactionalClaim(
@@ -97,13 +100,13 @@ async def run_transactional(
         ) as claim,
     ):
         if claim.decision is not None:
-            return outcome_of(claim.decision)
+            return _typed(outcome_of(claim.decision), result_type)
         try:
             result = await handler(conn)
             encoded = encode_result(result)  # an unstorable result is a handler failure
         except (Exception, asyncio.CancelledError) as exc:
-            return await claim.fail(exc)
-        return await claim.complete(result, encoded=encoded)
+            return _typed(await claim.fail(exc), result_type)
+        return _typed(await claim.complete(result, encoded=encoded), result_type)
 
 
 async def run_two_phase(
@@ -116,6 +119,7 @@ async def run_two_phase(
     local_writes: LocalWrites | None = None,
     lease: timedelta | float | None = None,
     retention: timedelta | float | None = None,
+    result_type: Any = None,
 ) -> Outcome:
     """Claim with a lease, run ``action(attempt)`` outside any transaction, then complete.
 
@@ -134,29 +138,38 @@ async def run_two_phase(
     Whenever a write of this attempt finds its lease gone (the lease expired and the record was
     parked, resolved or evicted), the outcome is what the record says now; this attempt reports
     nothing of its own. The sequence is `TwoPhaseClaim`, shared
-    with HTTP.
+    with HTTP. ``result_type``: the type a replayed result is read back as (see
+    `consumer_idem.result_types`; ``None``: the decoded JSON).
     """
     scope, key = store.check(scope, key)
     claim = TwoPhaseClaim(store, scope, key, fingerprint, lease=lease, retention=retention)
     decision = await claim.reserve()
     if decision.kind is not DecisionKind.EXECUTE:
-        return outcome_of(decision)
+        return _typed(outcome_of(decision), result_type)
     assert claim.attempt is not None
     try:
         result = await action(claim.attempt)
     except Retryable as exc:
-        return await claim.fail_retryable(exc)
+        return _typed(await claim.fail_retryable(exc), result_type)
     except PoisonMessage as exc:  # refused before any external call: dead-lettered, not parked
-        return await claim.poison(exc)
+        return _typed(await claim.poison(exc), result_type)
     except DomainError as exc:
-        return await claim.complete(exc.result, result_kind=ResultKind.DOMAIN_ERROR)
+        return _typed(
+            await claim.complete(exc.result, result_kind=ResultKind.DOMAIN_ERROR), result_type
+        )
     except (Exception, asyncio.CancelledError) as exc:
         # Ambiguous, or unclassified: the external call may have happened. Park, never re-run.
-        return await claim.park(exc)
+        return _typed(await claim.park(exc), result_type)
     if local_writes is None:
-        return await claim.complete(result)
+        return _typed(await claim.complete(result), result_type)
 
     async def write(conn: asyncpg.Connection) -> None:
         await local_writes(conn, result)
 
-    return await claim.complete(result, writes=[write])
+    return _typed(await claim.complete(result, writes=[write]), result_type)
+
+
+def _typed(outcome: Outcome, result_type: Any) -> Outcome:
+    """``outcome`` with a replayed result read back as ``result_type`` (inline in the runners,
+    not a wrapper: the handler runs no frame deeper for it)."""
+    return outcome if result_type is None else result_type_of(result_type).read(outcome)

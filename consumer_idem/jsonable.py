@@ -3,16 +3,17 @@
 Plain JSON values (dicts, lists, strings, numbers, booleans, ``None``) are stored as they are.
 A pydantic model is stored as its JSON form (``model_dump(mode="json")``: aliases, field
 serializers, datetimes and UUIDs as strings), a dataclass instance as an object of its fields
-(each a JSON value, a model or a dataclass in turn), at any depth. A replay gives that JSON
-back, decoded: a dict, not the model.
+(each a JSON value, a model or a dataclass in turn), at any depth. A replay reads that JSON
+back as the handler's result type (its return annotation, or ``result_type=``: see
+`consumer_idem.result_types`), else as the decoded JSON: a dict, not the model.
 
 The everyday values of ``numeric``, ``timestamptz``, ``date``, ``time`` and ``uuid`` columns
 are stored as JSON strings: a `Decimal` and a `UUID` as ``str()``
 (``"12.50"``, ``"0b9c…"``), a `datetime`, `date` and
 `time` in ISO 8601 (``"2026-11-27T23:05:00+00:00"``), an `Enum`
-as its value (encoded the same way), at any depth. **A replay returns those strings**, not
-the typed values: the first delivery's handler returns ``Decimal("12.50")``, a duplicate gets
-``"12.50"`` back.
+as its value (encoded the same way), at any depth. Without a result type **a replay returns
+those strings**: the first delivery's handler returns ``Decimal("12.50")``, a duplicate gets
+``"12.50"`` back; with ``-> Decimal`` it gets ``Decimal("12.50")``.
 
 Anything else is refused with [`UnstorableResult`][consumer_idem.errors.UnstorableResult], naming
 what and

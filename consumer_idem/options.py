@@ -14,11 +14,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Literal, TypedDict
+from typing import Any, Literal, TypedDict
 
 from consumer_idem.execution import LocalWrites
 from consumer_idem.key_strategies import KeyStrategy, amqp_message_id, cloudevents, first_of, header
+from consumer_idem.result_types import FROM_ANNOTATION
 from consumer_idem.stores.base import checked_duration
+from consumer_idem.verdict_hooks import VerdictHook
 
 Mode = Literal["transactional", "two_phase"]
 Payload = Literal["json", "bytes"]
@@ -48,6 +50,11 @@ class ConsumerOptions:
     * ``max_attempts``: retries of provably-not-executed failures before dead-lettering.
     * ``lease`` / ``retention``: override the store's lease and retention for this scope.
     * ``backoff``: (base, cap) seconds of the jittered exponential retry delay.
+    * ``result_type``: the type a replayed result is read back as (default: the handler's
+      return annotation; ``None``: the decoded JSON). See `consumer_idem.result_types`.
+    * ``on_execute`` / ``on_replay``: ``callback(verdict)``, called (synchronously) with the
+      verdict of each delivery whose handler ran and committed / that replayed a stored
+      result: for metrics and headers. An exception it raises is logged, not the delivery's.
     """
 
     scope: str
@@ -62,6 +69,9 @@ class ConsumerOptions:
     retention: timedelta | float | None = None
     on_invalid_key: OnInvalidKey = "dead_letter"
     backoff: tuple[float, float] = (0.2, 30.0)
+    result_type: Any = FROM_ANNOTATION
+    on_execute: VerdictHook | None = None
+    on_replay: VerdictHook | None = None
 
     def __post_init__(self) -> None:
         if self.batch and self.mode != "transactional":
@@ -96,6 +106,9 @@ class ConsumerArgs(TypedDict, total=False):
     retention: timedelta | float | None
     on_invalid_key: OnInvalidKey
     backoff: tuple[float, float]
+    result_type: Any
+    on_execute: VerdictHook | None
+    on_replay: VerdictHook | None
 
 
 def option_names() -> set[str]:

@@ -93,3 +93,11 @@ def runs_partitions_apart(subscriber: Any) -> tuple[int, bool]:
     side is only the ``max_workers`` argument. Checked: 0.7.8."""
     workers = getattr(subscriber, "max_workers", 1) or 1
     return workers, hasattr(subscriber, "consumer_subgroup")
+
+
+def handler_function(call: Any) -> Any:
+    """The function a user decorated as the handler item ``call``, whose return annotation
+    says what a replay is read back as: the wrapper's private ``_declared_call`` (its
+    ``_original_call`` before 0.7). No public API hands it back. Checked: 0.7.8."""
+    wrapper = call.handler
+    return getattr(wrapper, "_declared_call", None) or getattr(wrapper, "_original_call", None)

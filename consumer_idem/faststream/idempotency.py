@@ -35,6 +35,7 @@ from consumer_idem.faststream.rabbit_side import _Rabbit
 from consumer_idem.faststream.relay import OutboxRelayTask, faststream_route
 from consumer_idem.faststream.results import _ACK_ONLY, _store_form
 from consumer_idem.faststream.settler import _Settler, _Transport
+from consumer_idem.faststream.typed import SubscriberTypes
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import Notice
 from consumer_idem.options import ConsumerArgs, ConsumerOptions, Mode
@@ -44,6 +45,7 @@ from consumer_idem.outbox import (
     outbox_for,
     send_all,
 )
+from consumer_idem.result_types import FROM_ANNOTATION
 from consumer_idem.stores.postgres.store import PostgresStore
 from consumer_idem.transports import settle
 from consumer_idem.transports.settle import RunnerStats
@@ -70,7 +72,11 @@ class Idempotency:
       completed is acked, never dead-lettered (`consumer_idem.faststream.budget`);
     * ``declare`` (RabbitMQ): declare the dead-letter and notice queues (durable, quorum);
     * ``max_hold`` (RabbitMQ): how long a delivery waiting for the store or for another owner
-      stays in hand before it is handed back as a copy (keep it under ``consumer_timeout``).
+      stays in hand before it is handed back as a copy (keep it under ``consumer_timeout``);
+    * ``result_type``: what a subscriber's result is read back as, on the first run and on
+      every replay alike (default: each handler's return annotation; a batch handler's
+      ``list[X]``: ``X``); ``on_execute`` / ``on_replay``: called with the verdict of each
+      real execution / replay, its ``result`` what the handler returned (`.typed`).
 
     It also serves as the transport of a [`Sweeper`][consumer_idem.operations.reconcile.Sweeper] or
     [`Reconciler`][consumer_idem.operations.reconcile.Reconciler] (``publish_notice``,
@@ -102,7 +108,12 @@ class Idempotency:
         **options: Unpack[ConsumerArgs],
     ) -> None:
         self._store_source = store
-        self.options = ConsumerOptions(scope=scope, mode=mode, **options)
+        # read here, not by the core: its handler is this class's (see .typed)
+        self.result_types = SubscriberTypes(options.pop("result_type", FROM_ANNOTATION))
+        self.on_execute = options.pop("on_execute", None)
+        self.on_replay = options.pop("on_replay", None)
+        # the core stores the envelope as JSON, untyped (popped above: none left to pass)
+        self.options = replace(ConsumerOptions(scope=scope, mode=mode, **options), result_type=None)
         self.scope = scope
         self._consumer: IdempotentConsumer | None = None
         if isinstance(store, PostgresStore):

@@ -30,6 +30,7 @@ from consumer_idem.faststream.batch import (
 from consumer_idem.faststream.context import _CURRENT, _Call, _Settled
 from consumer_idem.faststream.results import _NOTHING, _published_form
 from consumer_idem.faststream.settler import _Settler
+from consumer_idem.faststream.typed import call_hooks, typed
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.transports import settle
 from consumer_idem.types import OutcomeKind, ResultKind
@@ -79,11 +80,12 @@ class _Middleware(BaseMiddleware):
                 ahead = batch.DecodedAhead(msg, self.members, self.context)
             token = _CURRENT.set(_Call(call_next, msg, self.context, "", ahead))
             try:
-                self.verdicts = await idem.batch_consumer.process_batch(
-                    self.members, alongside=ahead
-                )
+                verdicts = await idem.batch_consumer.process_batch(self.members, alongside=ahead)
             finally:
                 _CURRENT.reset(token)
+            result_type = idem.result_types.of(self.subscriber, batch=True)
+            self.verdicts = [typed(v, result_type) for v in verdicts]
+            call_hooks(idem, self.verdicts)
             raise _Settled(None)  # a batch subscriber publishes nothing through FastStream
         self.incoming = idem.transport.incoming(msg)
         if idem.transport.holds_waits:
@@ -102,7 +104,9 @@ class _Middleware(BaseMiddleware):
             )
         else:
             verdict = await self._run(call_next, msg)
+        verdict = typed(verdict, idem.result_types.of(self.subscriber))
         self.verdict = verdict
+        call_hooks(idem, [verdict])
         outcome = verdict.outcome
         if (
             verdict.action is Action.ACK

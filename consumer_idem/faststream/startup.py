@@ -72,6 +72,7 @@ def check_subscribers(broker: Any) -> None:
         for idem in guards:
             try:
                 idem.transport.check(subscriber)
+                idem.result_types.of(subscriber)  # an unreadable return type: now, not later
             except IdempotencyConfigError as exc:
                 problems.append(f"subscriber {subscriber_name(subscriber)!r}: {exc}")
     if problems:

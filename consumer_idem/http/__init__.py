@@ -105,6 +105,7 @@ from consumer_idem.http.fail_open import (
     UNSETTLED_MIN_TTL,
     outage_proven,
 )
+from consumer_idem.http.hooks import RequestHook, RequestOutcome
 from consumer_idem.http.key_header import HEADER, parse_key_header
 from consumer_idem.http.keyed_request import RECHECK_LOCK_TIMEOUT_MS
 from consumer_idem.http.middleware import IdempotencyMiddleware
@@ -137,6 +138,8 @@ __all__ = [
     "Message",
     "Mode",
     "Receive",
+    "RequestHook",
+    "RequestOutcome",
     "RouteOptions",
     "Routed",
     "Scope",

@@ -117,6 +117,8 @@ async def _read(
         wait=middleware.wait if options.wait is None else options.wait,
         started_at=time.monotonic(),
         watched=watched(middleware.router, route.route),
+        on_execute=options.on_execute or middleware.on_execute,
+        on_replay=options.on_replay or middleware.on_replay,
     )
 
 

@@ -36,6 +36,7 @@ from consumer_idem.http.began import release_unbegun
 from consumer_idem.http.capture import Captured, EndpointFailed, StreamIncomplete
 from consumer_idem.http.context import IdempotencyContext
 from consumer_idem.http.fail_open import Held, may_bypass
+from consumer_idem.http.hooks import RequestHook, RequestOutcome, call_request_hook
 from consumer_idem.http.reading import replay_body
 from consumer_idem.http.responses import Started, send_response
 from consumer_idem.http.routing import Mode
@@ -88,6 +89,9 @@ class KeyedRequest:
     settled: bool = False
     #: the route tells when its endpoint begins: an answer from before then is not recorded
     watched: bool = False
+    #: the route's hooks (`consumer_idem.http.hooks`)
+    on_execute: RequestHook | None = None
+    on_replay: RequestHook | None = None
 
     def __post_init__(self) -> None:
         # the app reads the body again, then the real receive
@@ -209,6 +213,7 @@ class KeyedRequest:
         if outcome.kind in (OutcomeKind.EXECUTED, OutcomeKind.REPLAYED):
             self._settle()
             self._count("executed")
+            self._hook(False, captured.status, captured.headers)
             return True
         # Postgres did not commit (the endpoint swallowed a database error, say): the
         # endpoint's answer describes changes that do not exist; it must not be sent.
@@ -323,6 +328,7 @@ class KeyedRequest:
         if outcome.kind is OutcomeKind.EXECUTED:
             self._settle()
         self._count("executed")
+        self._hook(False, captured.status, captured.headers)
         return True
 
     # --- running the endpoint, answering -------------------------------------------------------
@@ -353,7 +359,9 @@ class KeyedRequest:
         if decision.kind is DecisionKind.REPLAY:
             self._count("replayed")
             record = decision.record
-            await self.send.response(*responses.replayed(record.response, record.result_json))
+            status, headers, body = responses.replayed(record.response, record.result_json)
+            self._hook(True, status, headers)
+            await self.send.response(status, headers, body)
         elif decision.kind is DecisionKind.MISUSE:
             self._count("key_misuse")
             await send_response(self.send, responses.KEY_REUSED)
@@ -456,6 +464,24 @@ class KeyedRequest:
     def _settle(self) -> None:
         self.settled = True
         self.middleware.held_keys.settled(self.held)
+
+    def _hook(self, replayed: bool, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """``on_replay`` / ``on_execute`` on this request; it may change ``headers`` in place."""
+        hook = self.on_replay if replayed else self.on_execute
+        if hook is not None:
+            call_request_hook(
+                hook,
+                RequestOutcome(
+                    self.record_scope,
+                    self.key,
+                    self.method,
+                    self.route,
+                    replayed,
+                    status,
+                    headers,
+                    self.scope,
+                ),
+            )
 
     def _count(self, outcome: str) -> None:
         self.middleware.count(self.method, self.route, outcome)

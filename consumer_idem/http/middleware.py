@@ -18,6 +18,7 @@ from consumer_idem.http.callers import Caller, caller_of
 from consumer_idem.http.capture import Captured, endpoint_scope
 from consumer_idem.http.context import IdempotencyContext
 from consumer_idem.http.fail_open import HeldKeys
+from consumer_idem.http.hooks import RequestHook
 from consumer_idem.http.keyed_request import KeyedRequest
 from consumer_idem.http.routing import Mode, find_router
 from consumer_idem.metrics import Metrics
@@ -95,6 +96,8 @@ class IdempotencyMiddleware:
         metrics: Metrics | None = None,
         tenant: Caller | None = None,
         router: Any = None,
+        on_execute: RequestHook | None = None,
+        on_replay: RequestHook | None = None,
     ) -> None:
         if tenant is not None:
             warnings.warn(
@@ -126,6 +129,8 @@ class IdempotencyMiddleware:
         self.max_body = max_body
         self.wait = wait
         self._metrics = metrics
+        #: every route's hooks, unless the route names its own (`idempotent(on_execute=...)`)
+        self.on_execute, self.on_replay = on_execute, on_replay
         #: the keys this middleware's requests hold in this process (see fail-open)
         self.held_keys = HeldKeys(lease)
 

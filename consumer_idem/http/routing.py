@@ -12,6 +12,7 @@ from starlette.routing import Host, Match, Mount
 
 from consumer_idem.errors import ConfigurationError
 from consumer_idem.http.asgi import Scope
+from consumer_idem.http.hooks import RequestHook
 
 Mode = Literal["transactional", "two_phase"]
 
@@ -24,6 +25,8 @@ class RouteOptions:
     fail_open: bool | None = None
     wait: float | None = None
     anonymous: bool | None = None
+    on_execute: RequestHook | None = None
+    on_replay: RequestHook | None = None
 
 
 def idempotent(
@@ -33,18 +36,23 @@ def idempotent(
     fail_open: bool | None = None,
     wait: float | None = None,
     anonymous: bool | None = None,
+    on_execute: RequestHook | None = None,
+    on_replay: RequestHook | None = None,
 ) -> Callable[[Any], Any]:
     """Per-route options (``None`` keeps the middleware's default). ``wait``: seconds a
     duplicate that meets this route's first request in flight waits for its result (then
     replays it) before answering 409. ``anonymous``: whether a request whose ``caller=``
     names nobody (and that has no authenticated principal) may take part, in the one
     ``anonymous`` key space all such requests share (default: the middleware's
-    ``shared_keys``); refused with a 401 otherwise."""
+    ``shared_keys``); refused with a 401 otherwise. ``on_execute`` / ``on_replay``: this
+    route's hooks (`consumer_idem.http.hooks`), instead of the middleware's."""
     if wait is not None and wait < 0:
         raise ConfigurationError("wait is a number of seconds, 0 or more")
 
     def mark(endpoint: Any) -> Any:
-        endpoint.__consumer_idem__ = RouteOptions(True, required, mode, fail_open, wait, anonymous)
+        endpoint.__consumer_idem__ = RouteOptions(
+            True, required, mode, fail_open, wait, anonymous, on_execute, on_replay
+        )
         return endpoint
 
     return mark
