@@ -31,6 +31,7 @@ from consumer_idem.faststream.context import (
 from consumer_idem.faststream.handler_call import _ACKED, _call, guarded
 from consumer_idem.faststream.kafka_side import _Kafka
 from consumer_idem.faststream.middleware import _Middleware
+from consumer_idem.faststream.nats_side import _Nats
 from consumer_idem.faststream.rabbit_side import _Rabbit
 from consumer_idem.faststream.relay import OutboxRelayTask, faststream_route
 from consumer_idem.faststream.results import _ACK_ONLY, _store_form
@@ -118,9 +119,7 @@ class Idempotency:
         self.stats = RunnerStats()
         self.transport = self._transport_for(broker)
         #: the outbox sender's route: the broker's transport and cluster (see .relay)
-        self.route = faststream_route(
-            broker, "kafka" if isinstance(self.transport, _Kafka) else "amqp"
-        )
+        self.route = faststream_route(broker, _route_transport(self.transport))
         #: the relay of what a crash or an outage left in the outbox (see .relay)
         self.outbox_relay = OutboxRelayTask(self, outbox_relay, app)
         #: RabbitMQ's delivery budget, counted per key in Postgres
@@ -133,9 +132,10 @@ class Idempotency:
         return IdempotentConsumer(self._handle, store=store, options=self.options)
 
     def _transport_for(self, broker: Any) -> _Transport:
-        kinds: list[tuple[str, str, type[_Kafka] | type[_Rabbit]]] = [
+        kinds: list[tuple[str, str, type[_Kafka] | type[_Rabbit] | type[_Nats]]] = [
             ("faststream.kafka", "KafkaBroker", _Kafka),
             ("faststream.rabbit", "RabbitBroker", _Rabbit),
+            ("faststream.nats", "NatsBroker", _Nats),
         ]
         for module, name, transport in kinds:
             try:
@@ -145,7 +145,8 @@ class Idempotency:
             if isinstance(broker, broker_type):
                 return transport(self, broker)
         raise IdempotencyConfigError(
-            f"broker must be a FastStream KafkaBroker or RabbitBroker, not {type(broker).__name__}"
+            "broker must be a FastStream KafkaBroker, RabbitBroker or NatsBroker, not "
+            f"{type(broker).__name__}"
         )
 
     # --- configuration the transports read -----------------------------------------------------
@@ -237,6 +238,10 @@ class Idempotency:
         if isinstance(transport, _Kafka):
             await transport.publish(message.destination, message.body, message.key, message.headers)
             return
+        if isinstance(transport, _Nats):
+            headers = {k: v.decode("utf-8", "backslashreplace") for k, v in message.headers}
+            await transport.publish(message.destination, message.body, headers)
+            return
         assert isinstance(transport, _Rabbit)
         from consumer_idem.transports.rabbit import outgoing_message
 
@@ -248,3 +253,9 @@ class Idempotency:
             message_id=amqp.message_id,
             content_type=amqp.content_type,
         )
+
+
+def _route_transport(transport: _Transport) -> str:
+    if isinstance(transport, _Kafka):
+        return "kafka"
+    return "nats" if isinstance(transport, _Nats) else "amqp"

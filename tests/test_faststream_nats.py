@@ -1,0 +1,216 @@
+"""The FastStream middleware on a real NATS server with JetStream: duplicates, poison after
+``max_deliveries``, a Postgres outage, and the subscribers refused at start-up."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import nats
+import pytest
+from faststream import AckPolicy
+from faststream.nats import JStream, NatsBroker, NatsRouter
+
+from consumer_idem import IdempotencyConfigError, PostgresStore
+from consumer_idem.faststream import CurrentIdempotency, Idempotency, IdempotentConnection
+from tests._faststream import effect_count, write_effect
+from tests._payments import wait_until
+from tests.conftest import unique
+
+
+@pytest.fixture
+async def subject(nats_url: str) -> AsyncIterator[str]:
+    """A subject of its own, in a stream of its own (with its ``.dlq`` subject), deleted after."""
+    name = unique("fsn")
+    yield name
+    client = await nats.connect(nats_url)
+    try:
+        await client.jsm().delete_stream(name)
+    except Exception:  # never created (a test refused before the broker declared it)
+        pass
+    finally:
+        await client.close()
+
+
+def stream_of(subject: str) -> JStream:
+    return JStream(subject, subjects=[subject, f"{subject}.dlq"])
+
+
+async def pending(nats_url: str, subject: str) -> tuple[int, int]:
+    """(messages not yet delivered, deliveries not yet acked) of the test's durable consumer."""
+    client = await nats.connect(nats_url)
+    try:
+        info = await client.jsm().consumer_info(subject, "worker")
+        return info.num_pending, info.num_ack_pending
+    finally:
+        await client.close()
+
+
+async def test_nats_duplicates_run_once_and_nats_msg_id_is_the_key(
+    nats_url: str,
+    store: PostgresStore,
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    effects: None,
+    subject: str,
+) -> None:
+    broker = NatsBroker(nats_url)
+    idem = Idempotency(store, broker=broker, scope=scope, backoff=(0.05, 0.5))
+    router = NatsRouter(middlewares=[idem])
+
+    @router.subscriber(
+        subject, stream=stream_of(subject), durable="worker", ack_policy=AckPolicy.MANUAL
+    )
+    async def handle(
+        data: dict[str, Any], conn: IdempotentConnection, current: CurrentIdempotency
+    ) -> None:
+        await write_effect(conn, current, data["n"])
+
+    broker.include_router(router)
+    await broker.start()
+    try:
+        # the same key twice under other dedup ids (JetStream's own window lets both in)
+        for n in range(10):
+            for copy in range(2):
+                await broker.publish(
+                    {"n": n},
+                    subject,
+                    headers={"idempotency-key": f"k{n}", "Nats-Msg-Id": f"m{n}-{copy}"},
+                    stream=subject,
+                )
+        await broker.publish({"n": 99}, subject, headers={"Nats-Msg-Id": "only-id"}, stream=subject)
+
+        async def all_settled() -> bool:
+            return idem.stats.processed >= 21
+
+        await wait_until(all_settled, 30, "every delivery to be settled")
+    finally:
+        await broker.stop()
+    assert await effect_count(pg_pool, scope) == 11
+    assert idem.stats.executed == 11 and idem.stats.dead_lettered == 0
+    assert await store.get(scope, "only-id") is not None  # keyed by the publisher's dedup id
+    assert await pending(nats_url, subject) == (0, 0)  # every delivery acked
+
+
+async def test_nats_poison_is_dead_lettered_after_max_deliveries_with_its_reason(
+    nats_url: str, store: PostgresStore, scope: str, effects: None, subject: str
+) -> None:
+    broker = NatsBroker(nats_url)
+    idem = Idempotency(
+        store, broker=broker, scope=scope, backoff=(0.05, 0.1), max_attempts=50, max_deliveries=3
+    )
+    router = NatsRouter(middlewares=[idem])
+    runs: list[int] = []
+
+    @router.subscriber(
+        subject, stream=stream_of(subject), durable="worker", ack_policy=AckPolicy.MANUAL
+    )
+    async def handle(data: dict[str, Any]) -> None:
+        runs.append(data["n"])
+        raise ConnectionError("the far side refuses it")
+
+    broker.include_router(router)
+    await broker.start()
+    try:
+        await broker.publish({"n": 1}, subject, headers={"Nats-Msg-Id": "poison"}, stream=subject)
+
+        async def dead_lettered() -> bool:
+            return idem.stats.dead_lettered >= 1
+
+        await wait_until(dead_lettered, 30, "the poison message to be dead-lettered")
+    finally:
+        await broker.stop()
+    assert runs == [1, 1, 1]  # one run per JetStream delivery, none after the third
+    client = await nats.connect(nats_url)
+    try:
+        dead = await client.jsm().get_last_msg(subject, f"{subject}.dlq")
+    finally:
+        await client.close()
+    assert dead.data == b'{"n":1}' or dead.data == b'{"n": 1}'
+    assert dead.headers is not None
+    assert dead.headers["x-dead-letter-reason"] == "max_deliveries_exceeded"
+    assert "the far side refuses it" in dead.headers["x-dead-letter-error"]
+    assert dead.headers["x-dead-letter-deliveries"] == "3"
+    assert dead.headers["x-dead-letter-key"] == "poison"
+    assert dead.headers["x-original-queue"] == subject
+    assert await pending(nats_url, subject) == (0, 0)  # the original acked after the copy
+
+
+async def test_nats_postgres_outage_holds_messages_unacked_then_resumes(
+    nats_url: str,
+    pg_dsn: str,
+    store: PostgresStore,
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    effects: None,
+    subject: str,
+) -> None:
+    from tests._broker import Outage
+
+    outage = await Outage.start(store, pg_dsn)
+    broker = NatsBroker(nats_url)
+    idem = Idempotency(
+        outage.down, broker=broker, scope=scope, backoff=(0.05, 0.2), max_deliveries=2
+    )
+    router = NatsRouter(middlewares=[idem])
+
+    @router.subscriber(
+        subject, stream=stream_of(subject), durable="worker", ack_policy=AckPolicy.MANUAL
+    )
+    async def handle(
+        data: dict[str, Any], conn: IdempotentConnection, current: CurrentIdempotency
+    ) -> None:
+        await write_effect(conn, current, data["n"])
+
+    broker.include_router(router)
+    await broker.start()
+    try:
+        await broker.publish({"n": 1}, subject, headers={"Nats-Msg-Id": "k1"}, stream=subject)
+        await asyncio.sleep(3)  # many more deliveries than max_deliveries=2 meanwhile
+        assert idem.stats.retries >= 4 and idem.stats.dead_lettered == 0
+        assert await pending(nats_url, subject) == (0, 1)  # delivered, unacked
+        outage.end()
+
+        async def ran() -> bool:
+            return idem.stats.processed >= 1
+
+        await wait_until(ran, 15, "the message to run once the store is back")
+    finally:
+        await broker.stop()
+    assert idem.stats.dead_lettered == 0 and idem.stats.executed == 1
+    assert await effect_count(pg_pool, scope) == 1
+    assert await pending(nats_url, subject) == (0, 0)
+
+
+async def test_nats_core_subscriber_is_refused_at_start(
+    nats_url: str, store: PostgresStore, scope: str
+) -> None:
+    broker = NatsBroker(nats_url)
+    router = NatsRouter(middlewares=[Idempotency(store, broker=broker, scope=scope)])
+
+    @router.subscriber(unique("core"), ack_policy=AckPolicy.MANUAL)
+    async def handle(data: dict[str, Any]) -> None:
+        raise AssertionError("never runs")
+
+    broker.include_router(router)
+    with pytest.raises(IdempotencyConfigError, match="core NATS subscriber"):
+        await broker.start()
+    await broker.stop()
+
+
+async def test_nats_subscriber_acking_before_the_middleware_is_refused_at_start(
+    nats_url: str, store: PostgresStore, scope: str, subject: str
+) -> None:
+    broker = NatsBroker(nats_url)
+    router = NatsRouter(middlewares=[Idempotency(store, broker=broker, scope=scope)])
+
+    @router.subscriber(subject, stream=stream_of(subject), durable="worker")
+    async def handle(data: dict[str, Any]) -> None:
+        raise AssertionError("never runs")
+
+    broker.include_router(router)
+    with pytest.raises(IdempotencyConfigError, match=r"AckPolicy\.MANUAL"):
+        await broker.start()
+    await broker.stop()
