@@ -11,7 +11,8 @@ import asyncpg
 import nats
 import pytest
 from faststream import AckPolicy
-from faststream.nats import JStream, NatsBroker, NatsRouter
+from faststream.nats import ConsumerConfig, JStream, NatsBroker, NatsRouter
+from nats.js import api
 
 from consumer_idem import IdempotencyConfigError, PostgresStore
 from consumer_idem.faststream import CurrentIdempotency, Idempotency, IdempotentConnection
@@ -200,17 +201,41 @@ async def test_nats_core_subscriber_is_refused_at_start(
     await broker.stop()
 
 
-async def test_nats_subscriber_acking_before_the_middleware_is_refused_at_start(
-    nats_url: str, store: PostgresStore, scope: str, subject: str
+@pytest.mark.parametrize(
+    ("options", "refusal"),
+    [
+        ({}, r"AckPolicy\.REJECT_ON_ERROR"),  # FastStream's default: it would settle too
+        ({"ack_policy": AckPolicy.ACK_FIRST}, r"acks each message as it arrives"),
+        (
+            {
+                "ack_policy": AckPolicy.MANUAL,
+                "config": ConsumerConfig(ack_policy=api.AckPolicy.ALL),
+            },
+            r"ack_policy=AckPolicy\.ALL",
+        ),
+        (
+            {"ack_policy": AckPolicy.MANUAL, "config": ConsumerConfig(max_deliver=5)},
+            r"max_deliver=5",
+        ),
+    ],
+    ids=["default", "ack_first", "ack_all", "max_deliver_under_budget"],
+)
+async def test_nats_subscriber_settling_before_the_middleware_is_refused_at_start(
+    nats_url: str,
+    store: PostgresStore,
+    scope: str,
+    subject: str,
+    options: dict[str, Any],
+    refusal: str,
 ) -> None:
     broker = NatsBroker(nats_url)
     router = NatsRouter(middlewares=[Idempotency(store, broker=broker, scope=scope)])
 
-    @router.subscriber(subject, stream=stream_of(subject), durable="worker")
+    @router.subscriber(subject, stream=stream_of(subject), durable="worker", **options)
     async def handle(data: dict[str, Any]) -> None:
         raise AssertionError("never runs")
 
     broker.include_router(router)
-    with pytest.raises(IdempotencyConfigError, match=r"AckPolicy\.MANUAL"):
+    with pytest.raises(IdempotencyConfigError, match=refusal):
         await broker.start()
     await broker.stop()

@@ -93,3 +93,13 @@ def runs_partitions_apart(subscriber: Any) -> tuple[int, bool]:
     side is only the ``max_workers`` argument. Checked: 0.7.8."""
     workers = getattr(subscriber, "max_workers", 1) or 1
     return workers, hasattr(subscriber, "consumer_subgroup")
+
+
+def nats_acks_on_delivery(subscriber: Any) -> bool:
+    """Does the NATS JetStream push ``subscriber`` have nats-py ack each message as it arrives?
+    FastStream turns ``ack_policy=AckPolicy.ACK_FIRST`` into ``AckPolicy.MANUAL`` plus
+    ``manual_ack=False`` in the subscriber's ``extra_options`` (the options of nats-py's
+    ``subscribe``, an internal attribute); the public ``ack_policy`` then reads MANUAL.
+    Checked: 0.7.8."""
+    options = getattr(subscriber, "extra_options", None) or {}
+    return options.get("manual_ack") is False

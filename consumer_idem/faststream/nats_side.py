@@ -23,6 +23,7 @@ from faststream import StreamMessage
 
 from consumer_idem.consumer import Action, Verdict
 from consumer_idem.errors import IdempotencyConfigError
+from consumer_idem.faststream import _compat
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import KEY_HEADER, ORIGINAL_QUEUE, SCOPE_HEADER, Notice
 from consumer_idem.transports import settle
@@ -85,6 +86,12 @@ class _Nats:
             raise IdempotencyConfigError(
                 "NATS batch (pull_sub batch=True) subscribers are not supported yet: subscribe "
                 "without batch=True"
+            )
+        if _compat.nats_acks_on_delivery(subscriber):
+            raise IdempotencyConfigError(
+                "this JetStream subscriber acks each message as it arrives "
+                "(ack_policy=AckPolicy.ACK_FIRST), before the handler runs, so a failure or "
+                "crash would lose it: subscribe with ack_policy=AckPolicy.MANUAL"
             )
         config = getattr(subscriber, "config", None)
         ack_policy = getattr(config, "ack_policy", None)
