@@ -57,8 +57,9 @@ class Idempotency:
 
     ``store``: a [`PostgresStore`][consumer_idem.PostgresStore], or a callable returning it (for
     apps that open their
-    pool on startup). ``broker``: the ``KafkaBroker`` or ``RabbitBroker`` the subscribers belong
-    to; dead letters, reconciliation notices and re-dispatches are published through it.
+    pool on startup). ``broker``: the ``KafkaBroker``, ``RabbitBroker`` or ``NatsBroker``
+    (JetStream subscribers only, see `consumer_idem.faststream.nats_side`) the subscribers
+    belong to; dead letters, reconciliation notices and re-dispatches are published through it.
     The other arguments are those of
     [`consumer_idem.idempotent_consumer`][consumer_idem.idempotent_consumer], plus:
 
@@ -68,7 +69,9 @@ class Idempotency:
     * ``max_deliveries`` (RabbitMQ): a key whose handler ran this many times without settling
       (it keeps failing, or killing the consumer) is dead-lettered without running again;
       only the key's own runs count, not the broker's returns, and a key whose record says it
-      completed is acked, never dead-lettered (`consumer_idem.faststream.budget`);
+      completed is acked, never dead-lettered (`consumer_idem.faststream.budget`); (NATS) a
+      message whose handler fails on its ``max_deliveries``-th JetStream delivery is
+      dead-lettered (a wait for the store never is);
     * ``declare`` (RabbitMQ): declare the dead-letter and notice queues (durable, quorum);
     * ``max_hold`` (RabbitMQ): how long a delivery waiting for the store or for another owner
       stays in hand before it is handed back as a copy (keep it under ``consumer_timeout``).
