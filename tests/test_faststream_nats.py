@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
+from uuid import uuid4
 
 import asyncpg
 import nats
@@ -15,15 +17,22 @@ from faststream.nats import ConsumerConfig, JStream, NatsBroker, NatsRouter
 from nats.js import api
 
 from consumer_idem import IdempotencyConfigError, PostgresStore
-from consumer_idem.faststream import CurrentIdempotency, Idempotency, IdempotentConnection
+from consumer_idem.faststream import (
+    CurrentIdempotency,
+    Idempotency,
+    IdempotentConnection,
+    IdempotentOutbox,
+)
 from tests._faststream import effect_count, write_effect
+from tests._outbox import outbox_store, rows, sent_keys
 from tests._payments import wait_until
 from tests.conftest import unique
 
 
 @pytest.fixture
 async def subject(nats_url: str) -> AsyncIterator[str]:
-    """A subject of its own, in a stream of its own (with its ``.dlq`` subject), deleted after."""
+    """A subject of its own, in a stream of its own (with its ``.dlq`` and ``.out`` subjects),
+    deleted after."""
     name = unique("fsn")
     yield name
     client = await nats.connect(nats_url)
@@ -36,7 +45,7 @@ async def subject(nats_url: str) -> AsyncIterator[str]:
 
 
 def stream_of(subject: str) -> JStream:
-    return JStream(subject, subjects=[subject, f"{subject}.dlq"])
+    return JStream(subject, subjects=[subject, f"{subject}.dlq", f"{subject}.out"])
 
 
 async def pending(nats_url: str, subject: str) -> tuple[int, int]:
@@ -239,3 +248,55 @@ async def test_nats_subscriber_settling_before_the_middleware_is_refused_at_star
     with pytest.raises(IdempotencyConfigError, match=refusal):
         await broker.start()
     await broker.stop()
+
+
+async def test_nats_outbox_publishes_through_jetstream_once_per_committed_run(
+    nats_url: str, store: PostgresStore, pg_pool: asyncpg.Pool, scope: str, subject: str
+) -> None:
+    outbox = outbox_store(pg_pool, relay_after=60)
+    broker = NatsBroker(nats_url)
+    idem = Idempotency(outbox, broker=broker, scope=scope, backoff=(0.05, 0.2))
+    router = NatsRouter(middlewares=[idem])
+    failed: set[str] = set()
+
+    @router.subscriber(
+        subject, stream=stream_of(subject), durable="worker", ack_policy=AckPolicy.MANUAL
+    )
+    async def book(
+        data: dict[str, Any], outbox: IdempotentOutbox, current: CurrentIdempotency
+    ) -> None:
+        outbox.publish(f"{subject}.out", {"booked": data["n"]})
+        if data.get("fail_once") and current.key not in failed:
+            failed.add(current.key)  # rolled back with its message; the redelivery publishes
+            raise ConnectionError("first attempt fails")
+
+    broker.include_router(router)
+    await broker.start()
+    try:
+        for n, msg_id, fail in ((1, "m1", False), (2, "m2", True), (1, "m1", False)):
+            # m1 twice under other dedup ids: JetStream's own window lets both in
+            await broker.publish(
+                {"n": n, "fail_once": fail},
+                subject,
+                headers={"idempotency-key": msg_id, "Nats-Msg-Id": f"{msg_id}-{uuid4()}"},
+                stream=subject,
+            )
+
+        async def sent() -> bool:
+            found = await rows(outbox, scope)
+            return idem.stats.processed >= 3 and {r["status"] for r in found} == {"sent"}
+
+        await wait_until(sent, 30, "every delivery settled and the outbox dispatched")
+    finally:
+        await broker.stop()
+    client = await nats.connect(nats_url)
+    try:
+        reader = await client.jetstream().pull_subscribe(f"{subject}.out", stream=subject)
+        messages = await reader.fetch(3, timeout=2)
+    finally:
+        await client.close()
+    assert sorted(json.loads(m.data)["booked"] for m in messages) == [1, 2]
+    keys = await sent_keys(outbox, scope)
+    assert {m.headers["idempotency-key"] for m in messages if m.headers} == {
+        keys[k] for k in ("m1", "m2")
+    }
