@@ -300,3 +300,35 @@ async def test_nats_outbox_publishes_through_jetstream_once_per_committed_run(
     assert {m.headers["idempotency-key"] for m in messages if m.headers} == {
         keys[k] for k in ("m1", "m2")
     }
+
+
+async def test_nats_dead_letter_no_stream_takes_leaves_the_delivery_unacked(
+    nats_url: str, store: PostgresStore, scope: str, subject: str
+) -> None:
+    broker = NatsBroker(nats_url)
+    idem = Idempotency(
+        store,
+        broker=broker,
+        scope=scope,
+        backoff=(0.05, 0.1),
+        max_deliveries=1,
+        dead_letter=unique("nowhere"),  # no stream takes it
+    )
+    router = NatsRouter(middlewares=[idem])
+
+    @router.subscriber(
+        subject, stream=stream_of(subject), durable="worker", ack_policy=AckPolicy.MANUAL
+    )
+    async def handle(data: dict[str, Any]) -> None:
+        raise ConnectionError("the far side refuses it")
+
+    broker.include_router(router)
+    await broker.start()
+    try:
+        await broker.publish({"n": 1}, subject, headers={"Nats-Msg-Id": "poison"}, stream=subject)
+        await asyncio.sleep(3)  # the dead letter refused, retried: held in hand meanwhile
+        assert idem.stats.dead_lettered == 0 and idem.stats.processed == 0
+        assert await pending(nats_url, subject) == (0, 1)  # in hand, never acked
+    finally:
+        await broker.stop()
+    assert idem.stats.dead_lettered == 0
