@@ -117,8 +117,14 @@ class _Nats:
         return None
 
     def permanent(self, exc: BaseException) -> bool:
-        from nats.errors import BadSubjectError, MaxPayloadError
-        from nats.js.errors import NoStreamResponseError
+        # (the ignores: a venv without the nats extra type-checks too)
+        from nats.errors import (  # type: ignore[import-not-found, unused-ignore]
+            BadSubjectError,
+            MaxPayloadError,
+        )
+        from nats.js.errors import (  # type: ignore[import-not-found, unused-ignore]
+            NoStreamResponseError,
+        )
 
         # no stream takes the subject: waiting will not help, as with a missing queue
         return isinstance(exc, BadSubjectError | MaxPayloadError | NoStreamResponseError)
