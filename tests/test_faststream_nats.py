@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 from uuid import uuid4
@@ -14,9 +15,10 @@ import nats
 import pytest
 from faststream import AckPolicy
 from faststream.nats import ConsumerConfig, JStream, NatsBroker, NatsRouter
+from nats.aio.msg import Msg
 from nats.js import api
 
-from consumer_idem import IdempotencyConfigError, PostgresStore
+from consumer_idem import Ambiguous, IdempotencyConfigError, PostgresStore, Status
 from consumer_idem.faststream import (
     CurrentIdempotency,
     Idempotency,
@@ -332,3 +334,116 @@ async def test_nats_dead_letter_no_stream_takes_leaves_the_delivery_unacked(
     finally:
         await broker.stop()
     assert idem.stats.dead_lettered == 0
+
+
+async def test_nats_retry_is_a_nak_with_the_backoff_delay_the_server_keeps_it_for(
+    nats_url: str,
+    store: PostgresStore,
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    effects: None,
+    subject: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    naks: list[float | None] = []
+    original_nak = Msg.nak
+
+    async def spy(self: Msg, delay: float | None = None) -> None:
+        naks.append(delay)
+        await original_nak(self, delay=delay)
+
+    monkeypatch.setattr(Msg, "nak", spy)
+    broker = NatsBroker(nats_url)
+    idem = Idempotency(store, broker=broker, scope=scope, backoff=(1.0, 1.0))
+    router = NatsRouter(middlewares=[idem])
+    runs: list[float] = []
+
+    @router.subscriber(
+        subject, stream=stream_of(subject), durable="worker", ack_policy=AckPolicy.MANUAL
+    )
+    async def handle(
+        data: dict[str, Any], conn: IdempotentConnection, current: CurrentIdempotency
+    ) -> None:
+        runs.append(time.monotonic())
+        await write_effect(conn, current, data["n"])
+        if len(runs) == 1:
+            raise ConnectionError("first attempt fails")  # rolled back, retried
+
+    broker.include_router(router)
+    await broker.start()
+    try:
+        await broker.publish({"n": 1}, subject, headers={"Nats-Msg-Id": "k1"}, stream=subject)
+
+        async def ran_twice() -> bool:
+            return idem.stats.processed >= 1
+
+        await wait_until(ran_twice, 15, "the retry to run")
+    finally:
+        await broker.stop()
+    assert len(naks) == 1 and naks[0] is not None and 0 < naks[0] <= 1.0  # the jittered backoff
+    assert runs[1] - runs[0] >= naks[0] * 0.9  # kept on the server that long, not in hand
+    assert await effect_count(pg_pool, scope) == 1
+    assert await pending(nats_url, subject) == (0, 0)
+
+
+@pytest.mark.parametrize("notices_stored", [True, False], ids=["stored", "no_stream"])
+async def test_nats_unknown_outcome_notice_is_confirmed_by_jetstream_before_the_ack(
+    nats_url: str,
+    store: PostgresStore,
+    scope: str,
+    effects: None,
+    subject: str,
+    notices_stored: bool,
+) -> None:
+    notices = f"{subject}.out" if notices_stored else unique("nowhere")  # no stream takes it
+    broker = NatsBroker(nats_url)
+    idem = Idempotency(
+        store, broker=broker, scope=scope, backoff=(0.05, 0.2), reconcile_destination=notices
+    )
+    router = NatsRouter(middlewares=[idem])
+
+    @router.subscriber(
+        subject, stream=stream_of(subject), durable="worker", ack_policy=AckPolicy.MANUAL
+    )
+    async def handle(
+        data: dict[str, Any], conn: IdempotentConnection, current: CurrentIdempotency
+    ) -> None:
+        await write_effect(conn, current, data["n"])
+        raise Ambiguous("the far side timed out")
+
+    broker.include_router(router)
+    await broker.start()
+    try:
+        await broker.publish({"n": 1}, subject, headers={"Nats-Msg-Id": "k1"}, stream=subject)
+
+        async def parked() -> bool:
+            record = await store.get(scope, "k1")
+            return record is not None and record.status is Status.UNKNOWN
+
+        await wait_until(parked, 15, "the outcome to be parked unknown")
+        if notices_stored:
+
+            async def settled() -> bool:
+                return idem.stats.processed >= 1
+
+            await wait_until(settled, 15, "the delivery to be settled")
+        else:
+            await asyncio.sleep(2)  # the notice refused, retried: held in hand meanwhile
+    finally:
+        await broker.stop()
+    record = await store.get(scope, "k1")
+    assert record is not None and record.status is Status.UNKNOWN
+    if not notices_stored:
+        assert record.reconcile_published_at is None
+        assert await pending(nats_url, subject) == (0, 1)  # in hand, never acked
+        return
+    assert record.reconcile_published_at is not None
+    assert await pending(nats_url, subject) == (0, 0)
+    client = await nats.connect(nats_url)
+    try:
+        notice = await client.jsm().get_last_msg(subject, notices)
+    finally:
+        await client.close()
+    assert notice.headers is not None
+    assert notice.headers["x-consumer-idem-key"] == "k1"
+    assert notice.headers["x-consumer-idem-scope"] == scope
