@@ -150,7 +150,7 @@ async def test_nats_poison_is_dead_lettered_after_max_deliveries_with_its_reason
     assert await pending(nats_url, subject) == (0, 0)  # the original acked after the copy
 
 
-async def test_nats_postgres_outage_holds_messages_unacked_then_resumes(
+async def test_nats_postgres_outage_holds_messages_unacked_then_resumes_with_its_budget(
     nats_url: str,
     pg_dsn: str,
     store: PostgresStore,
@@ -167,6 +167,7 @@ async def test_nats_postgres_outage_holds_messages_unacked_then_resumes(
         outage.down, broker=broker, scope=scope, backoff=(0.05, 0.2), max_deliveries=2
     )
     router = NatsRouter(middlewares=[idem])
+    runs: list[int] = []
 
     @router.subscriber(
         subject, stream=stream_of(subject), durable="worker", ack_policy=AckPolicy.MANUAL
@@ -174,7 +175,10 @@ async def test_nats_postgres_outage_holds_messages_unacked_then_resumes(
     async def handle(
         data: dict[str, Any], conn: IdempotentConnection, current: CurrentIdempotency
     ) -> None:
+        runs.append(data["n"])
         await write_effect(conn, current, data["n"])
+        if len(runs) == 1:  # the first run after the outage: the waits spent none of its budget
+            raise ConnectionError("first attempt fails")
 
     broker.include_router(router)
     await broker.start()
@@ -192,6 +196,7 @@ async def test_nats_postgres_outage_holds_messages_unacked_then_resumes(
     finally:
         await broker.stop()
     assert idem.stats.dead_lettered == 0 and idem.stats.executed == 1
+    assert runs == [1, 1]
     assert await effect_count(pg_pool, scope) == 1
     assert await pending(nats_url, subject) == (0, 0)
 

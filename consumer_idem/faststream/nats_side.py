@@ -10,7 +10,8 @@ dead letters and reconciliation notices are published through JetStream and conf
 ``PubAck`` before the original is acked. A retry is a ``nak`` with the retry delay, so the
 message waits on the server, not in hand. JetStream counts deliveries (``num_delivered``):
 after ``max_deliveries`` a message whose handler keeps failing is dead-lettered; a message
-waiting for the store (an outage) or for another owner is never dead-lettered for its count.
+waiting for the store (an outage) or for another owner is never dead-lettered for its count,
+nor are those deliveries counted against its handler's later failures.
 """
 
 from __future__ import annotations
@@ -58,7 +59,10 @@ class _Nats:
         self.broker = broker
 
     def incoming(self, message: StreamMessage[Any]) -> ConsumerMessage:
-        raw = message.raw_message
+        return self.incoming_raw(message.raw_message)
+
+    def incoming_raw(self, raw: Any) -> ConsumerMessage:
+        """The transport-neutral view of one nats-py ``Msg`` (a batch's member too)."""
         metadata = _metadata(raw)
         headers = dict(raw.headers or {})
         return ConsumerMessage(
@@ -73,19 +77,14 @@ class _Nats:
         )
 
     def check(self, subscriber: Any) -> None:
-        """A JetStream subscriber with explicit acks, one message at a time, whose consumer
-        does not stop redelivering before ``max_deliveries`` does."""
+        """A JetStream subscriber (push, pull or batch pull) with explicit acks, whose
+        consumer does not stop redelivering before ``max_deliveries`` does."""
         stream = getattr(subscriber, "stream", None)
         if stream is None:
             raise IdempotencyConfigError(
                 "a core NATS subscriber (no JetStream stream) gets each message once and cannot "
                 "redeliver it, so a crash or a failed commit would lose it: subscribe with "
                 "stream=JStream(...) (a durable JetStream consumer with explicit acks)"
-            )
-        if isinstance(stream, list | tuple) or type(subscriber).__name__.startswith("Batch"):
-            raise IdempotencyConfigError(
-                "NATS batch (pull_sub batch=True) subscribers are not supported yet: subscribe "
-                "without batch=True"
             )
         if _compat.nats_acks_on_delivery(subscriber):
             raise IdempotencyConfigError(
@@ -140,21 +139,32 @@ class _Nats:
     ) -> None:
         """``nak`` with the verdict's delay; a handler that failed on the ``max_deliveries``-th
         delivery is dead-lettered instead (a wait for the store never is)."""
-        spent = _metadata(message.raw_message).num_delivered
-        limit = self.idem.max_deliveries
-        if limit is not None and spent >= limit and not settle.is_wait(verdict):
-            failure = verdict.error or (verdict.outcome and verdict.outcome.error)
-            last = f"{verdict.reason}: {failure!r}" if failure else verdict.reason
-            exhausted = dataclasses.replace(
-                verdict,
-                action=Action.DEAD_LETTER,
-                reason=MAX_DELIVERIES_EXCEEDED,
-                error=f"delivered {spent} times, last failure: {last}",
-            )
+        exhausted = self.exhausted(message.raw_message, verdict)
+        if exhausted is not None:
             await settle.settle(settler, message, exhausted)
             return
         log.info("retrying in %.2fs (%s)", verdict.retry_after, verdict.reason)
         await message.nack(delay=verdict.retry_after)  # type: ignore[call-arg]
+
+    def exhausted(self, raw: Any, verdict: Verdict) -> Verdict | None:
+        """The dead-letter verdict of a retry whose handler failed on the ``max_deliveries``-th
+        JetStream delivery of ``raw`` (None: ``nak`` it). Only the key's own failed runs
+        count, as the store counted them: deliveries ``nak``-ed while waiting for the store or
+        for another owner raise ``num_delivered`` too, and spend nothing."""
+        delivered = _metadata(raw).num_delivered
+        outcome = verdict.outcome
+        spent = delivered if outcome is None else min(delivered, outcome.attempts)
+        limit = self.idem.max_deliveries
+        if limit is None or spent < limit or settle.is_wait(verdict):
+            return None
+        failure = verdict.error or (verdict.outcome and verdict.outcome.error)
+        last = f"{verdict.reason}: {failure!r}" if failure else verdict.reason
+        return dataclasses.replace(
+            verdict,
+            action=Action.DEAD_LETTER,
+            reason=MAX_DELIVERIES_EXCEEDED,
+            error=f"delivered {spent} times, last failure: {last}",
+        )
 
     async def requeue(self, message: StreamMessage[Any], source: str) -> None:
         raise NotImplementedError("NATS does not hold waits: a delayed nak keeps it on the server")
@@ -167,7 +177,13 @@ class _Nats:
         to: str,
         body_dropped: bool = False,
     ) -> None:
-        raw = message.raw_message
+        await self.dead_letter_raw(message.raw_message, verdict, source, to, body_dropped)
+
+    async def dead_letter_raw(
+        self, raw: Any, verdict: Verdict, source: str, to: str, body_dropped: bool = False
+    ) -> None:
+        """One nats-py ``Msg`` to ``to`` with the reason in its headers (a batch's member
+        too)."""
         headers = {
             name: str(value)
             for name, value in (raw.headers or {}).items()
