@@ -53,9 +53,15 @@ async def drop(stream: str) -> None:
 
 
 async def faststream_nats(
-    pool: asyncpg.Pool, store: PostgresStore, stream: str, idempotent: bool
+    pool: asyncpg.Pool,
+    store: PostgresStore,
+    stream: str,
+    idempotent: bool,
+    batch: int = BATCH,
+    count: int = COUNT,
 ) -> float:
-    """One run of the pull subscriber through a new durable consumer: msg/s."""
+    """One run of the pull subscriber (``PullSub(batch)``) through a new durable consumer,
+    until ``count`` messages are settled: msg/s."""
     from faststream import AckPolicy
     from faststream.nats import JStream, NatsBroker, NatsMessage, NatsRouter, PullSub
 
@@ -77,7 +83,7 @@ async def faststream_nats(
     options: dict[str, Any] = {
         "stream": JStream(stream, declare=False),
         "durable": f"bench-{uuid.uuid4().hex[:8]}",
-        "pull_sub": PullSub(BATCH, timeout=1.0),
+        "pull_sub": PullSub(batch, timeout=1.0),
         "ack_policy": AckPolicy.MANUAL,
     }
     if idem is not None:
@@ -104,11 +110,11 @@ async def faststream_nats(
     def done() -> bool:
         nonlocal seen
         if idem is None:
-            return clock.count >= COUNT
+            return clock.count >= count
         if idem.stats.processed > seen:
             clock.tick(idem.stats.processed - seen)
             seen = idem.stats.processed
-        return seen >= COUNT
+        return seen >= count
 
     try:
         await until(done, 300)
