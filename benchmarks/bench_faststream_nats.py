@@ -7,11 +7,14 @@ fetches up to ``BATCH`` messages and runs them side by side. Both sides run the 
 ledger row + the account balance) in a transaction, then ack the message with ``ack_sync`` (the
 server confirms it), as the middleware does (``AckPolicy.MANUAL`` on both). Rates run from the
 first settled message to the last. A warm-up run of each, then five rounds, alternating which
-side runs first; medians. Ratio = idempotent / plain.
+side runs first; medians. Ratio = idempotent / plain. The same again for a batch pull
+subscriber (``PullSub(BATCH, batch=True)``): the set-based effect per fetched batch in one
+transaction, then an ``ack_sync`` per message (``.batch`` entries).
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -24,7 +27,7 @@ from benchmarks.common import Clock, entry, scratch_database, until
 from consumer_idem import PostgresStore, header
 from consumer_idem.cli.settings import load_settings
 from examples.payments_producer import plan
-from handlers.payments import ensure_tables, record_payment
+from handlers.payments import ensure_tables, record_payment, record_payments
 
 #: messages per run (each side reads the whole stream)
 COUNT = 3_000
@@ -59,13 +62,19 @@ async def faststream_nats(
     idempotent: bool,
     batch: int = BATCH,
     count: int = COUNT,
+    batched: bool = False,
 ) -> float:
-    """One run of the pull subscriber (``PullSub(batch)``) through a new durable consumer,
-    until ``count`` messages are settled: msg/s."""
+    """One run of the pull subscriber (``PullSub(batch)``; ``batched``: a batch subscriber,
+    ``PullSub(batch, batch=True)``) through a new durable consumer, until ``count`` messages
+    are settled: msg/s."""
     from faststream import AckPolicy
     from faststream.nats import JStream, NatsBroker, NatsMessage, NatsRouter, PullSub
 
-    from consumer_idem.faststream import CurrentIdempotency, Idempotency
+    from consumer_idem.faststream import (
+        CurrentIdempotency,
+        CurrentIdempotencyBatch,
+        Idempotency,
+    )
     from consumer_idem.message import ConsumerMessage
 
     broker = NatsBroker(load_settings().nats_url, logger=None)
@@ -83,10 +92,30 @@ async def faststream_nats(
     options: dict[str, Any] = {
         "stream": JStream(stream, declare=False),
         "durable": f"bench-{uuid.uuid4().hex[:8]}",
-        "pull_sub": PullSub(batch, timeout=1.0),
+        "pull_sub": PullSub(batch, timeout=0.2 if batched else 1.0, batch=batched),
         "ack_policy": AckPolicy.MANUAL,
     }
-    if idem is not None:
+    if batched and idem is not None:
+
+        @router.subscriber(stream, **options)
+        async def idempotent_batch(
+            bodies: list[dict[str, Any]], current: CurrentIdempotencyBatch
+        ) -> None:
+            await record_payments(current.messages, current.conn)
+
+    elif batched:
+
+        @router.subscriber(stream, **options)
+        async def plain_batch(bodies: list[dict[str, Any]], message: NatsMessage) -> None:
+            raws = message.raw_message
+            async with pool.acquire() as conn, conn.transaction():
+                await record_payments(
+                    [ConsumerMessage(body=r.data, headers={}) for r in raws], conn
+                )
+            await asyncio.gather(*(r.ack_sync() for r in raws))  # as the middleware acks
+            clock.tick(len(raws))
+
+    elif idem is not None:
 
         @router.subscriber(stream, **options)
         async def idempotent_handler(body: dict[str, Any], current: CurrentIdempotency) -> None:
@@ -143,10 +172,21 @@ async def run() -> list[dict[str, Any]]:
                 lambda: faststream_nats(pool, store, stream, True),
             )
             print(f"   faststream nats ratios per round: {ratios}", flush=True)
+            # batch subscribers: one transaction per fetched batch, then an ack per message
+            await faststream_nats(pool, store, stream, False, batched=True)
+            await faststream_nats(pool, store, stream, True, batched=True)
+            batch_base, batch_subject, ratios = await alternate(
+                5,
+                lambda: faststream_nats(pool, store, stream, False, batched=True),
+                lambda: faststream_nats(pool, store, stream, True, batched=True),
+            )
+            print(f"   faststream nats batch ratios per round: {ratios}", flush=True)
         finally:
             await drop(stream)
             await pool.close()
     return [
         entry("faststream.nats.plain", base, "msg/s", None),
         entry("faststream.nats.idempotent", subject, "msg/s", base),
+        entry("faststream.nats.plain.batch", batch_base, "msg/s", None),
+        entry("faststream.nats.idempotent.batch", batch_subject, "msg/s", batch_base),
     ]
