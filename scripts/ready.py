@@ -1,6 +1,6 @@
 """Readiness of the services, each checked with a real client request.
 
-The four the library talks to, and those of the tests of Postgres as deployed: PgBouncer in
+The five the library talks to, and those of the tests of Postgres as deployed: PgBouncer in
 transaction pooling mode (6432) and a primary (5433) with its streaming standby (5434).
 Used by ``scripts/services``; prints a status table and exits non-zero naming what failed.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -144,11 +145,31 @@ async def check_redis() -> str:
     return f"Redis {info.get('redis_version', '?')}"
 
 
+async def check_nats() -> str:
+    """The server's INFO greeting (NATS's protocol opens with it): it must say JetStream is on.
+    Read with a plain socket so the check needs no client library."""
+    url = urlsplit(load_settings().nats_url)
+    reader, writer = await asyncio.open_connection(url.hostname or "127.0.0.1", url.port or 4222)
+    try:
+        line = await reader.readline()
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+    if not line.startswith(b"INFO "):
+        raise RuntimeError(f"not a NATS greeting: {line[:60]!r}")
+    info = json.loads(line[5:])
+    if not info.get("jetstream"):
+        raise RuntimeError("JetStream is not enabled (start nats-server with -js)")
+    return f"NATS {info.get('version', '?')} (JetStream)"
+
+
 CHECKS: dict[str, tuple[str, Callable[[], Awaitable[str]]]] = {
     "postgres": ("127.0.0.1:5432", check_postgres),
     "kafka": ("127.0.0.1:9092", check_kafka),
     "rabbitmq": ("127.0.0.1:5672", check_rabbitmq),
     "redis": ("127.0.0.1:6379", check_redis),
+    "nats": ("127.0.0.1:4222", check_nats),
     "pgbouncer": ("127.0.0.1:6432", check_pgbouncer),
     "pg-primary": ("127.0.0.1:5433", check_pg_primary),
     "pg-standby": ("127.0.0.1:5434", check_pg_standby),

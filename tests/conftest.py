@@ -6,7 +6,9 @@ A service that does not answer fails the test that needs it, naming the service 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import os
 import uuid
 from collections.abc import AsyncIterator
@@ -66,6 +68,7 @@ SERVICE_FIXTURES = frozenset(
         "kafka_producer",
         "amqp_connection",
         "redis_client",
+        "nats_url",
         "gateway_url",
         "own_database",
         "pgbouncer_dsn",
@@ -279,6 +282,25 @@ async def redis_client(settings: Settings) -> AsyncIterator[aioredis.Redis]:
         service_missing("Redis", settings.redis_url, exc)
     yield client
     await client.aclose()
+
+
+@pytest.fixture(scope="session")
+async def nats_url(settings: Settings) -> str:
+    """The NATS server's URL, once its greeting says JetStream is on (fails, never skips)."""
+    parts = urlsplit(settings.nats_url)
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(parts.hostname or "127.0.0.1", parts.port or 4222), 5
+        )
+        try:
+            greeting = await asyncio.wait_for(reader.readline(), 5)
+        finally:
+            writer.close()
+        if not greeting.startswith(b"INFO ") or not json.loads(greeting[5:]).get("jetstream"):
+            raise RuntimeError(f"not a NATS server with JetStream (-js): {greeting[:80]!r}")
+    except Exception as exc:
+        service_missing("NATS (JetStream)", settings.nats_url, exc)
+    return settings.nats_url
 
 
 @pytest.fixture

@@ -103,13 +103,14 @@ def test_every_snippet_program_is_shown_on_a_page() -> None:
 KAFKA = {"kafka.py", "faststream_app.py", "faststream_batch.py"}
 RABBIT = {"rabbitmq.py", "outbox.py"}
 REDIS = {"redis_cache.py", "redis_store.py"}
+NATS = {"faststream_nats.py"}
 
 
 def programs(names: set[str] | None) -> list[Any]:
     chosen = [
         p
         for p in PROGRAMS
-        if (p.name in names if names is not None else p.name not in KAFKA | RABBIT | REDIS)
+        if (p.name in names if names is not None else p.name not in KAFKA | RABBIT | REDIS | NATS)
     ]
     return [pytest.param(p, id=p.name) for p in chosen]
 
@@ -124,6 +125,7 @@ async def run(program: Path, pg_dsn: str, settings: Any, name: str) -> None:
         "CONSUMER_IDEM_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
         "CONSUMER_IDEM_AMQP_URL": settings.amqp_url,
         "CONSUMER_IDEM_REDIS_URL": settings.redis_url,
+        "CONSUMER_IDEM_NATS_URL": settings.nats_url,
         "DOCS_TOPIC": name,
         "DOCS_QUEUE": name,
     }
@@ -185,8 +187,24 @@ async def test_the_redis_program_runs(
     await run(program, pg_dsn, settings, fresh_name())
 
 
+@pytest.mark.parametrize("program", programs(NATS))
+async def test_the_nats_program_runs(
+    program: Path, pg_dsn: str, settings: Any, nats_url: str
+) -> None:
+    import nats
+
+    name = fresh_name()
+    try:
+        await run(program, pg_dsn, settings, name)
+    finally:
+        client = await nats.connect(nats_url)
+        with contextlib.suppress(Exception):  # never created when the program failed early
+            await client.jsm().delete_stream(name)
+        await client.close()
+
+
 def test_every_program_is_run() -> None:
-    assert len(programs(None)) + len(KAFKA | RABBIT | REDIS) == len(PROGRAMS)
+    assert len(programs(None)) + len(KAFKA | RABBIT | REDIS | NATS) == len(PROGRAMS)
 
 
 # --- shell lines -----------------------------------------------------------------------------

@@ -33,6 +33,7 @@ class Settings(BaseSettings):
     kafka_bootstrap: str = Field(default="127.0.0.1:9092", description="Kafka bootstrap servers.")
     amqp_url: str = Field(default="amqp://guest:guest@127.0.0.1:5672/", description="RabbitMQ URL.")
     redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis URL.")
+    nats_url: str = Field(default="nats://127.0.0.1:4222", description="NATS server URL.")
     schema_name: str = Field(
         default="consumer_idem",
         validation_alias="CONSUMER_IDEM_SCHEMA",

@@ -101,3 +101,13 @@ def handler_function(call: Any) -> Any:
     ``_original_call`` before 0.7). No public API hands it back. Checked: 0.7.8."""
     wrapper = call.handler
     return getattr(wrapper, "_declared_call", None) or getattr(wrapper, "_original_call", None)
+
+
+def nats_acks_on_delivery(subscriber: Any) -> bool:
+    """Does the NATS JetStream push ``subscriber`` have nats-py ack each message as it arrives?
+    FastStream turns ``ack_policy=AckPolicy.ACK_FIRST`` into ``AckPolicy.MANUAL`` plus
+    ``manual_ack=False`` in the subscriber's ``extra_options`` (the options of nats-py's
+    ``subscribe``, an internal attribute); the public ``ack_policy`` then reads MANUAL.
+    Checked: 0.7.8."""
+    options = getattr(subscriber, "extra_options", None) or {}
+    return options.get("manual_ack") is False

@@ -1,4 +1,5 @@
-"""FastStream Kafka batch subscribers (``@subscriber(topic, batch=True)``) through
+"""FastStream Kafka batch subscribers (``@subscriber(topic, batch=True)``) and NATS batch pull
+subscribers (``pull_sub=PullSub(n, batch=True)``) through
 [`Idempotency`][consumer_idem.faststream.Idempotency].
 
 One delivered batch (the records of one ``getmany``, of one or more partitions) is one
@@ -15,6 +16,9 @@ published (and confirmed) first; then one commit names, for each partition, the 
 last settled record. A partition whose record must wait (a retry, its key in progress elsewhere,
 the store down, a publish not confirmed) is sought back to that record after the wait, so it and
 the records after it are delivered again, and none before it.
+
+A NATS batch is decided the same way and settled per message, in no order
+(`consumer_idem.faststream.nats_batch`).
 
 A batch subscriber publishes nothing through FastStream: its return value would be one message
 for the whole batch, which a redelivery of part of it could not reproduce. The middleware
@@ -94,10 +98,13 @@ def members(
 ) -> list[ConsumerMessage]:
     """The records of a batch delivery, after checking that the subscriber can run them."""
     from consumer_idem.faststream.kafka_side import _Kafka
-    from consumer_idem.transports.kafka import to_message
+    from consumer_idem.faststream.nats_side import _Nats
 
-    if not isinstance(idem.transport, _Kafka):
-        raise IdempotencyConfigError("only Kafka delivers batches to a FastStream subscriber")
+    transport = idem.transport
+    if not isinstance(transport, _Kafka | _Nats):
+        raise IdempotencyConfigError(
+            "only Kafka and NATS JetStream deliver batches to a FastStream subscriber"
+        )
     for call in _compat.handler_calls(subscriber):
         if _compat.has_publishers(call):
             raise IdempotencyConfigError(
@@ -106,6 +113,10 @@ def members(
                 "publish per member through current.outboxes[i] (CurrentIdempotencyBatch)"
             )
     idem.batch_consumer  # noqa: B018 - refuses two-phase mode here, before anything runs
+    if isinstance(transport, _Nats):
+        return [transport.incoming_raw(raw) for raw in message.raw_message]
+    from consumer_idem.transports.kafka import to_message
+
     return [to_message(record) for record in message.raw_message]
 
 
@@ -289,7 +300,14 @@ async def settle_batch(
 ) -> bool:
     """Settle each member in order (``verdicts[i]`` for ``run[i]``; missing or None: not
     decided); then commit every partition up to its first member not settled, and seek each
-    such partition back to it (after the longest wait asked for). True when all were settled."""
+    such partition back to it (after the longest wait asked for). True when all were settled.
+    A NATS batch: each member acked or ``nak``-ed (`consumer_idem.faststream.nats_batch`)."""
+    from consumer_idem.faststream.nats_side import _Nats
+
+    if isinstance(idem.transport, _Nats):
+        from consumer_idem.faststream import nats_batch
+
+        return await nats_batch.settle_batch(idem, subscriber, run, verdicts)
     settler = _BatchSettler(idem, subscriber)
     stats, done, back = settler.stats, settler.done, settler.back
     for i, incoming in enumerate(run):

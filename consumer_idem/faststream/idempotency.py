@@ -31,6 +31,7 @@ from consumer_idem.faststream.context import (
 from consumer_idem.faststream.handler_call import _ACKED, _call, guarded
 from consumer_idem.faststream.kafka_side import _Kafka
 from consumer_idem.faststream.middleware import _Middleware
+from consumer_idem.faststream.nats_side import _Nats
 from consumer_idem.faststream.rabbit_side import _Rabbit
 from consumer_idem.faststream.relay import OutboxRelayTask, faststream_route
 from consumer_idem.faststream.results import _ACK_ONLY, _store_form
@@ -58,8 +59,9 @@ class Idempotency:
 
     ``store``: a [`PostgresStore`][consumer_idem.PostgresStore], or a callable returning it (for
     apps that open their
-    pool on startup). ``broker``: the ``KafkaBroker`` or ``RabbitBroker`` the subscribers belong
-    to; dead letters, reconciliation notices and re-dispatches are published through it.
+    pool on startup). ``broker``: the ``KafkaBroker``, ``RabbitBroker`` or ``NatsBroker``
+    (JetStream subscribers only, see `consumer_idem.faststream.nats_side`) the subscribers
+    belong to; dead letters, reconciliation notices and re-dispatches are published through it.
     The other arguments are those of
     [`consumer_idem.idempotent_consumer`][consumer_idem.idempotent_consumer], plus:
 
@@ -69,7 +71,9 @@ class Idempotency:
     * ``max_deliveries`` (RabbitMQ): a key whose handler ran this many times without settling
       (it keeps failing, or killing the consumer) is dead-lettered without running again;
       only the key's own runs count, not the broker's returns, and a key whose record says it
-      completed is acked, never dead-lettered (`consumer_idem.faststream.budget`);
+      completed is acked, never dead-lettered (`consumer_idem.faststream.budget`); (NATS) a
+      message whose handler fails on its ``max_deliveries``-th JetStream delivery is
+      dead-lettered (a wait for the store never is);
     * ``declare`` (RabbitMQ): declare the dead-letter and notice queues (durable, quorum);
     * ``max_hold`` (RabbitMQ): how long a delivery waiting for the store or for another owner
       stays in hand before it is handed back as a copy (keep it under ``consumer_timeout``);
@@ -129,9 +133,7 @@ class Idempotency:
         self.stats = RunnerStats()
         self.transport = self._transport_for(broker)
         #: the outbox sender's route: the broker's transport and cluster (see .relay)
-        self.route = faststream_route(
-            broker, "kafka" if isinstance(self.transport, _Kafka) else "amqp"
-        )
+        self.route = faststream_route(broker, _route_transport(self.transport))
         #: the relay of what a crash or an outage left in the outbox (see .relay)
         self.outbox_relay = OutboxRelayTask(self, outbox_relay, app)
         #: RabbitMQ's delivery budget, counted per key in Postgres
@@ -144,9 +146,10 @@ class Idempotency:
         return IdempotentConsumer(self._handle, store=store, options=self.options)
 
     def _transport_for(self, broker: Any) -> _Transport:
-        kinds: list[tuple[str, str, type[_Kafka] | type[_Rabbit]]] = [
+        kinds: list[tuple[str, str, type[_Kafka] | type[_Rabbit] | type[_Nats]]] = [
             ("faststream.kafka", "KafkaBroker", _Kafka),
             ("faststream.rabbit", "RabbitBroker", _Rabbit),
+            ("faststream.nats", "NatsBroker", _Nats),
         ]
         for module, name, transport in kinds:
             try:
@@ -156,7 +159,8 @@ class Idempotency:
             if isinstance(broker, broker_type):
                 return transport(self, broker)
         raise IdempotencyConfigError(
-            f"broker must be a FastStream KafkaBroker or RabbitBroker, not {type(broker).__name__}"
+            "broker must be a FastStream KafkaBroker, RabbitBroker or NatsBroker, not "
+            f"{type(broker).__name__}"
         )
 
     # --- configuration the transports read -----------------------------------------------------
@@ -248,6 +252,10 @@ class Idempotency:
         if isinstance(transport, _Kafka):
             await transport.publish(message.destination, message.body, message.key, message.headers)
             return
+        if isinstance(transport, _Nats):
+            headers = {k: v.decode("utf-8", "backslashreplace") for k, v in message.headers}
+            await transport.publish(message.destination, message.body, headers)
+            return
         assert isinstance(transport, _Rabbit)
         from consumer_idem.transports.rabbit import outgoing_message
 
@@ -259,3 +267,9 @@ class Idempotency:
             message_id=amqp.message_id,
             content_type=amqp.content_type,
         )
+
+
+def _route_transport(transport: _Transport) -> str:
+    if isinstance(transport, _Kafka):
+        return "kafka"
+    return "nats" if isinstance(transport, _Nats) else "amqp"

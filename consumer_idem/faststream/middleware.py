@@ -73,7 +73,7 @@ class _Middleware(BaseMiddleware):
             )
         self.message = msg
         await idem.outbox_relay.first_delivery()
-        if isinstance(msg.raw_message, tuple | list):  # a Kafka batch subscriber (a list: tests)
+        if isinstance(msg.raw_message, tuple | list):  # a Kafka or NATS batch subscriber
             self.members = batch.members(idem, self.subscriber, msg)
             ahead = None
             if batch.innermost(self.subscriber, call_next):

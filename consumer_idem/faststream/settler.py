@@ -18,6 +18,7 @@ from consumer_idem.faststream.batch import (
 from consumer_idem.faststream.batch import (
     IdempotencyBatchContext as IdempotencyBatchContext,
 )
+from consumer_idem.faststream.nats_side import _Nats
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import Notice
 from consumer_idem.transports import settle
@@ -92,6 +93,9 @@ class _Settler(batch.SubscriberSide):
         await self.transport.ack(message)
 
     async def retry_later(self, message: StreamMessage[Any], verdict: Verdict) -> None:
+        if isinstance(self.transport, _Nats):  # a delayed nak, or its delivery budget is spent
+            await self.transport.retry_later(self, message, verdict)
+            return
         if self.idem.budget is not None:
             await self.idem.budget.failed(message, verdict)
         # a wait held for max_hold already: hand it back without spending the delivery budget
