@@ -96,15 +96,8 @@ class _Confluent(_Kafka):
         )
 
     def check(self, subscriber: Any) -> None:
-        workers, _ = _compat.runs_partitions_apart(subscriber)
-        if workers > 1:
-            # FastStream's concurrent Confluent subscriber shares one consumer between its
-            # workers: records of one partition run side by side
-            raise IdempotencyConfigError(
-                f"this Confluent Kafka subscriber runs max_workers={workers} records of one "
-                "partition at once, so a commit could pass a record still running: use "
-                "max_workers=1 (one subscriber per consumer; scale with more processes)"
-            )
+        # (max_workers > 1 needs AckPolicy.ACK_FIRST here: FastStream refuses it with manual
+        # commits, and startup refuses every policy but MANUAL)
         consumer_config = _compat.confluent_connection(self.broker).consumer_config
         if consumer_config.get("enable.auto.commit") in _TRUE:
             raise IdempotencyConfigError(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -39,14 +38,11 @@ class _Kafka:
     def __init__(self, idem: Idempotency, broker: Any) -> None:
         self.idem = idem
         self.broker = broker
-        # batch subscribers' background commits, per consumer: the offsets still to commit
-        # and the task committing them
-        self._uncommitted: weakref.WeakKeyDictionary[Any, dict[tuple[str, int], int]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._committers: weakref.WeakKeyDictionary[Any, asyncio.Task[None]] = (
-            weakref.WeakKeyDictionary()
-        )
+        # batch subscribers' background commits, per consumer (by id: Confluent's consumer
+        # wrapper cannot be weakly referenced): the offsets still to commit and the task
+        # committing them, both dropped when the task ends (so an id is never reused here)
+        self._uncommitted: dict[int, dict[tuple[str, int], int]] = {}
+        self._committers: dict[int, asyncio.Task[None]] = {}
         self._bind_client()
         if not self.durable_producer():
             log.warning(
@@ -146,18 +142,21 @@ class _Kafka:
         and the keys make those replays (as ``KafkaRunner``'s background commits)."""
         if consumer is None or not offsets:
             return
-        uncommitted = self._uncommitted.setdefault(consumer, {})
+        uncommitted = self._uncommitted.setdefault(id(consumer), {})
         for tp, offset in offsets.items():
             uncommitted[tp] = max(offset, uncommitted.get(tp, 0))
-        running = self._committers.get(consumer)
-        if running is None or running.done():
+        if id(consumer) not in self._committers:
             task = asyncio.create_task(self._commit_latest(consumer))
             task.add_done_callback(_log_failure)
-            self._committers[consumer] = task
+            self._committers[id(consumer)] = task
 
     async def _commit_latest(self, consumer: Any) -> None:
-        while offsets := self._uncommitted.pop(consumer, None):
-            await self.commit(consumer, offsets)
+        try:
+            while offsets := self._uncommitted.pop(id(consumer), None):
+                await self.commit(consumer, offsets)
+        finally:
+            self._committers.pop(id(consumer), None)
+            self._uncommitted.pop(id(consumer), None)  # (cancelled: delivered again instead)
 
     async def seek(self, consumer: Any, offsets: dict[tuple[str, int], int]) -> None:
         """Deliver each partition again from ``offsets[(topic, partition)]``."""
