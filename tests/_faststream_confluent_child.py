@@ -2,10 +2,12 @@
 ``tests/test_faststream_confluent.py``: an idempotent subscriber (one record at a time, or
 batches) writing one ``fs_effects`` row per key, until it is killed or stopped.
 
-    python -m tests._faststream_confluent_child <topic> <group> <scope> single|batch
+    python -m tests._faststream_confluent_child <topic> <group> <scope> single|batch <kill_at>
 
-Prints ``{"event": "started"}`` once its broker started; on SIGTERM it stops its broker. The
-DSN comes from ``CONSUMER_IDEM_PG_DSN``.
+With ``kill_at`` > 0 it SIGKILLs itself inside its ``kill_at``-th handler call, its effects
+written but not committed, after holding the record longer than an auto-commit interval (so
+a consumer that committed on fetch would lose it). Prints ``{"event": "started"}`` once its
+broker started; on SIGTERM it stops its broker. The DSN comes from ``CONSUMER_IDEM_PG_DSN``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,21 @@ from consumer_idem.faststream import (
 )
 
 
-async def main(topic: str, group: str, scope: str, kind: str) -> None:
+class Killer:
+    """Kills the process inside its ``at``-th handler call (0: never)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.calls = at, 0
+
+    async def reached(self) -> None:
+        self.calls += 1
+        if self.calls == self.at:
+            await asyncio.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def main(topic: str, group: str, scope: str, kind: str, kill_at: int) -> None:
+    killer = Killer(kill_at)
     pool = await asyncpg.create_pool(os.environ["CONSUMER_IDEM_PG_DSN"], min_size=1, max_size=4)
     assert pool is not None
     broker = KafkaBroker(
@@ -68,7 +84,7 @@ async def main(topic: str, group: str, scope: str, kind: str) -> None:
                 "INSERT INTO fs_effects (scope, key, n) VALUES ($1, $2, $3)",
                 [(scope, key, body["n"]) for key, body in zip(current.keys, bodies, strict=True)],
             )
-            await asyncio.sleep(0.02)
+            await killer.reached()
 
         subscribe(handle_batch)
     else:
@@ -82,6 +98,7 @@ async def main(topic: str, group: str, scope: str, kind: str) -> None:
                 current.key,
                 body["n"],
             )
+            await killer.reached()
 
         subscribe(handle)
     broker.include_router(router)
@@ -95,5 +112,5 @@ async def main(topic: str, group: str, scope: str, kind: str) -> None:
 
 
 if __name__ == "__main__":
-    topic, group, scope, kind = sys.argv[1:]
-    asyncio.run(main(topic, group, scope, kind))
+    topic, group, scope, kind, kill_at = sys.argv[1:]
+    asyncio.run(main(topic, group, scope, kind, int(kill_at)))
