@@ -94,9 +94,9 @@ async def test_confluent_duplicates_run_once_and_each_commit_names_one_settled_p
     commits: list[list[Any]] = []
     original = _compat.confluent_commit
 
-    async def spy(consumer: Any, offsets: list[Any]) -> None:
+    async def spy(consumer: Any, offsets: list[Any], wait: bool = True) -> None:
         commits.append(list(offsets))
-        await original(consumer, offsets)
+        await original(consumer, offsets, wait)
 
     monkeypatch.setattr(_compat, "confluent_commit", spy)
     broker = confluent_broker(settings)

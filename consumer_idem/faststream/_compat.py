@@ -116,9 +116,10 @@ def confluent_connection(broker: Any) -> Any:
     return broker.config.broker_config.connection_config
 
 
-async def confluent_commit(consumer: Any, offsets: list[Any]) -> None:
+async def confluent_commit(consumer: Any, offsets: list[Any], wait: bool = True) -> None:
     """Commit exactly ``offsets`` (confluent_kafka ``TopicPartition``s) for the
-    ``AsyncConfluentConsumer`` ``consumer``, and wait for the broker's answer. Its public
+    ``AsyncConfluentConsumer`` ``consumer``; ``wait``: for the broker's answer (else librdkafka
+    sends it in the background, in order, and logs a failure). Its public
     ``commit()`` commits every partition's position, which may be ahead of what is settled, so
     the wrapped confluent ``Consumer`` (its ``consumer`` attribute) commits instead, on the
     wrapper's private single-thread ``_thread_pool``: FastStream runs every call of that
@@ -126,5 +127,5 @@ async def confluent_commit(consumer: Any, offsets: list[Any]) -> None:
     pool = consumer._thread_pool
     client = consumer.consumer
     await asyncio.get_running_loop().run_in_executor(
-        pool, functools.partial(client.commit, offsets=offsets, asynchronous=False)
+        pool, functools.partial(client.commit, offsets=offsets, asynchronous=not wait)
     )

@@ -115,11 +115,11 @@ class _Confluent(_Kafka):
         # the client's own checks of what it is given (header types...): the same next time
         return isinstance(exc, TypeError | ValueError | AssertionError)
 
-    async def _commit_offsets(self, consumer: Any, offsets: dict[tuple[str, int], int]) -> None:
-        await _compat.confluent_commit(
-            consumer,
-            [self._tp(topic, partition, offset) for (topic, partition), offset in offsets.items()],
-        )
+    async def _commit_offsets(
+        self, consumer: Any, offsets: dict[tuple[str, int], int], wait: bool
+    ) -> None:
+        offsets_list = [self._tp(topic, part, offset) for (topic, part), offset in offsets.items()]
+        await _compat.confluent_commit(consumer, offsets_list, wait)
 
     async def _seek_one(self, consumer: Any, tp: tuple[str, int], offset: int) -> None:
         await consumer.seek(topic=tp[0], partition=tp[1], offset=offset)

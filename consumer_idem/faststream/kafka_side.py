@@ -117,14 +117,18 @@ class _Kafka:
         # This partition only, up to this record: FastStream's own ack commits every
         # partition's position, which may be ahead of what is done.
         offsets = {(record.topic, record.partition): record.offset + 1}
-        await self.commit(getattr(message, "consumer", None), offsets)
+        # (not waiting for the broker's answer where the client can: the next record's commit
+        # covers this one, and a lost one only delivers again what the keys replay)
+        await self.commit(getattr(message, "consumer", None), offsets, wait=False)
         message.committed = AckStatus.ACKED
 
-    async def commit(self, consumer: Any, offsets: dict[tuple[str, int], int]) -> None:
+    async def commit(
+        self, consumer: Any, offsets: dict[tuple[str, int], int], *, wait: bool = True
+    ) -> None:
         """Commit ``{(topic, partition): next offset}`` through the delivery's consumer."""
         if isinstance(consumer, self._consumer_type):
             try:
-                await self._commit_offsets(consumer, offsets)
+                await self._commit_offsets(consumer, offsets, wait)
             except self._commit_errors as exc:
                 # Rebalancing, or no longer ours: the next owner re-reads from the last commit
                 # and meets completed records (replays), so nothing is lost or doubled.
@@ -132,7 +136,10 @@ class _Kafka:
         elif consumer is not None and offsets:  # FastStream's test consumer: nothing to commit
             await consumer.commit()
 
-    async def _commit_offsets(self, consumer: Any, offsets: dict[tuple[str, int], int]) -> None:
+    async def _commit_offsets(
+        self, consumer: Any, offsets: dict[tuple[str, int], int], wait: bool
+    ) -> None:
+        # (aiokafka's commit always waits for the broker)
         await consumer.commit({self._tp(*tp): offset for tp, offset in offsets.items()})
 
     def commit_soon(self, consumer: Any, offsets: dict[tuple[str, int], int]) -> None:
