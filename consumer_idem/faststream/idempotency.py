@@ -150,8 +150,7 @@ class Idempotency:
             if isinstance(broker, broker_type):
                 return transport(self, broker)
         raise IdempotencyConfigError(
-            "broker must be a FastStream KafkaBroker (aiokafka's or Confluent's), RabbitBroker "
-            "or NatsBroker, not "
+            "broker must be a FastStream KafkaBroker, RabbitBroker or NatsBroker, not "
             f"{type(broker).__name__}"
         )
 
