@@ -6,11 +6,8 @@ consumer processes SIGKILLed mid-run."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import random
 import signal
-import sys
 from collections import Counter
 from typing import Any
 
@@ -31,11 +28,22 @@ from consumer_idem.faststream import (
     IdempotentConnection,
     _compat,
 )
-from tests._faststream import effect_count, write_effect
+from tests._faststream import children as children
+from tests._faststream import (
+    committed,
+    effect_count,
+    effects_by_key,
+    keyed,
+    send,
+    start_child,
+    wait_committed,
+    write_effect,
+)
 from tests._payments import read_topic, wait_until
-from tests.conftest import ROOT_DIR, unique
+from tests.conftest import unique
 
 KEY = header("idempotency-key")
+CHILD = "tests._faststream_confluent_child"
 #: a quick group join and a quick notice of a dead member (the chaos test kills consumers)
 FAST_GROUP = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500}
 
@@ -44,37 +52,6 @@ def confluent_broker(settings: Settings, **config: Any) -> KafkaBroker:
     return KafkaBroker(
         settings.kafka_bootstrap, acks="all", config={**FAST_GROUP, **config}, logger=None
     )
-
-
-async def send(
-    producer: AIOKafkaProducer, topic: str, items: list[tuple[str | None, bytes]], partitions: int
-) -> dict[int, int]:
-    """``items`` round-robin over the partitions; the end offset of each partition."""
-    ends: Counter[int] = Counter()
-    for i, (key, body) in enumerate(items):
-        headers = [] if key is None else [("idempotency-key", key.encode())]
-        await producer.send(topic, body, partition=i % partitions, headers=headers)
-        ends[i % partitions] += 1
-    await producer.flush()
-    return dict(ends)
-
-
-def keyed(count: int, repeated: int = 0) -> list[tuple[str | None, bytes]]:
-    """``count`` keyed records, then the first ``repeated`` of them again."""
-    items: list[tuple[str | None, bytes]] = [
-        (f"k{i}", json.dumps({"n": i}).encode()) for i in range(count)
-    ]
-    return items + items[:repeated]
-
-
-async def committed(admin: AIOKafkaAdminClient, group: str) -> dict[int, int]:
-    offsets = await admin.list_consumer_group_offsets(group)
-    return {tp.partition: meta.offset for tp, meta in offsets.items()}
-
-
-async def effects_by_key(pool: asyncpg.Pool, scope: str) -> Counter[str]:
-    rows = await pool.fetch("SELECT key FROM fs_effects WHERE scope = $1", scope)
-    return Counter(r["key"] for r in rows)
 
 
 async def test_confluent_duplicates_run_once_and_each_commit_names_one_settled_partition(
@@ -122,11 +99,7 @@ async def test_confluent_duplicates_run_once_and_each_commit_names_one_settled_p
     ends = await send(kafka_producer, topic, items, 2)
     await broker.start()
     try:
-
-        async def all_committed() -> bool:
-            return await committed(kafka_admin, group) == ends
-
-        await wait_until(all_committed, 40, "every record to be committed")
+        await wait_committed(kafka_admin, group, ends)
     finally:
         await broker.stop()
     assert await effect_count(pg_pool, scope) == 20
@@ -178,11 +151,7 @@ async def test_confluent_poison_is_dead_lettered_after_max_attempts_with_its_rea
     await send(kafka_producer, topic, [("poison", b'{"n": 1}'), ("next", b'{"n": 2}')], 1)
     await broker.start()
     try:
-
-        async def all_committed() -> bool:
-            return await committed(kafka_admin, group) == {0: 2}
-
-        await wait_until(all_committed, 40, "both records to be committed")
+        await wait_committed(kafka_admin, group, {0: 2})
     finally:
         await broker.stop()
     assert runs == [1, 1, 1, 2]  # three attempts, then the next record (order kept)
@@ -238,10 +207,7 @@ async def test_confluent_postgres_outage_holds_offsets_uncommitted_then_resumes(
         assert await committed(kafka_admin, group) in ({}, {0: -1})  # nothing committed
         outage.end()
 
-        async def all_committed() -> bool:
-            return await committed(kafka_admin, group) == {0: 3}
-
-        await wait_until(all_committed, 30, "the records to run once the store is back")
+        await wait_committed(kafka_admin, group, {0: 3}, within=30)
     finally:
         await broker.stop()
     assert idem.stats.dead_lettered == 0 and idem.stats.executed == 3
@@ -326,11 +292,7 @@ async def test_confluent_batch_subscriber_runs_each_key_once_and_dead_letters_it
     ends = await send(kafka_producer, topic, items, 2)
     await broker.start()
     try:
-
-        async def all_committed() -> bool:
-            return await committed(kafka_admin, group) == ends
-
-        await wait_until(all_committed, 40, "every record to be committed")
+        await wait_committed(kafka_admin, group, ends)
     finally:
         await broker.stop()
     assert await effects_by_key(pg_pool, scope) == Counter({f"k{i}": 1 for i in range(40)})
@@ -342,46 +304,6 @@ async def test_confluent_batch_subscriber_runs_each_key_once_and_dead_letters_it
 
 
 # --- SIGKILL chaos -------------------------------------------------------------------------------
-
-
-async def start_child(
-    pg_dsn: str,
-    topic: str,
-    group: str,
-    scope: str,
-    batch: bool,
-    children: list[Any],
-    kill_at: int = 0,
-) -> asyncio.subprocess.Process:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "tests._faststream_confluent_child",
-        topic,
-        group,
-        scope,
-        "batch" if batch else "single",
-        str(kill_at),
-        cwd=ROOT_DIR,
-        env=dict(os.environ, CONSUMER_IDEM_PG_DSN=pg_dsn),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=None,
-    )
-    children.append(proc)
-    assert proc.stdout is not None
-    line = await asyncio.wait_for(proc.stdout.readline(), timeout=30)
-    assert line and json.loads(line)["event"] == "started", line
-    return proc
-
-
-@pytest.fixture
-async def children() -> Any:
-    started: list[asyncio.subprocess.Process] = []
-    yield started
-    for proc in started:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 @pytest.mark.parametrize("batch", [False, True], ids=["single", "batch"])
@@ -398,6 +320,7 @@ async def test_confluent_consumer_sigkilled_mid_run_loses_and_doubles_nothing(
     children: list[asyncio.subprocess.Process],
 ) -> None:
     total = 300
+    kind = "batch" if batch else "single"
     topic = await kafka_topic_factory("fsck", partitions=2)
     group = unique("fsckg")
     ends = await send(kafka_producer, topic, keyed(total, 40), 2)
@@ -407,7 +330,7 @@ async def test_confluent_consumer_sigkilled_mid_run_loses_and_doubles_nothing(
         # killed from outside, wherever it is (handler, Postgres commit, Kafka commit)
         inside = kill % 2 == 0
         kill_at = (rng.randint(1, 2) if batch else rng.randint(10, 40)) if inside else 0
-        proc = await start_child(pg_dsn, topic, group, scope, batch, children, kill_at)
+        proc = await start_child(CHILD, pg_dsn, topic, group, scope, kind, str(kill_at))
         if not inside:
             target = (await effects_by_key(pg_pool, scope)).total() + rng.randint(20, 50)
 
@@ -420,13 +343,9 @@ async def test_confluent_consumer_sigkilled_mid_run_loses_and_doubles_nothing(
         assert proc.returncode == -signal.SIGKILL
     done = (await effects_by_key(pg_pool, scope)).total()
     assert 0 < done < total, f"the kills must land mid-run ({done})"
-    final = await start_child(pg_dsn, topic, group, scope, batch, children)
+    final = await start_child(CHILD, pg_dsn, topic, group, scope, kind, "0")
     try:
-
-        async def all_committed() -> bool:
-            return await committed(kafka_admin, group) == ends
-
-        await wait_until(all_committed, 40, "every record to be committed")
+        await wait_committed(kafka_admin, group, ends)
     finally:
         final.send_signal(signal.SIGTERM)
         await asyncio.wait_for(final.communicate(), timeout=30)
