@@ -18,13 +18,13 @@ from typing import Any
 import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from benchmarks.bench_consumers import _measure, alternate
-from benchmarks.common import Clock, entry, scratch_database, settle
+from benchmarks.bench_consumers import alternate, faststream_kafka, faststream_kafka_batch
+from benchmarks.common import entry, scratch_database, settle
 from consumer_idem import PostgresStore, header
 from consumer_idem.cli.settings import load_settings
 from consumer_idem.transports.kafka import to_message
 from examples.payments_producer import plan, send_kafka
-from handlers.payments import ensure_tables, record_payment, record_payments
+from handlers.payments import ensure_tables
 
 #: records on the topic (the batch runs read them all)
 N = 10_000
@@ -58,70 +58,13 @@ def _view(raw: Any) -> Any:
 async def per_message(
     pool: asyncpg.Pool, store: PostgresStore, topic: str, idempotent: bool
 ) -> float:
-    from faststream import AckPolicy
-    from faststream.confluent import KafkaMessage
-
-    from consumer_idem.faststream import CurrentIdempotency
-
-    broker, router, idem = _broker(store, idempotent)
-    clock = Clock()
-    options: dict[str, Any] = {
-        "group_id": f"fsc-{uuid.uuid4().hex}",
-        "ack_policy": AckPolicy.MANUAL,
-        "auto_offset_reset": "earliest",
-    }
-    if idem is not None:
-
-        @router.subscriber(topic, **options)
-        async def idempotent_handler(body: dict[str, Any], current: CurrentIdempotency) -> None:
-            assert current.conn is not None
-            await record_payment(current.message, current.conn)
-
-    else:
-
-        @router.subscriber(topic, **options)
-        async def plain_handler(body: dict[str, Any], message: KafkaMessage) -> None:
-            async with pool.acquire() as conn, conn.transaction():
-                await record_payment(_view(message.raw_message), conn)
-            await message.ack()
-            clock.tick()
-
-    return await _measure(broker, router, clock, idem, PER_MESSAGE)
+    return await faststream_kafka(
+        pool, store, topic, idempotent, PER_MESSAGE, make=_broker, view=_view
+    )
 
 
 async def batches(pool: asyncpg.Pool, store: PostgresStore, topic: str, idempotent: bool) -> float:
-    from faststream import AckPolicy
-    from faststream.confluent import KafkaMessage
-
-    from consumer_idem.faststream import CurrentIdempotencyBatch
-
-    broker, router, idem = _broker(store, idempotent)
-    clock = Clock()
-    options: dict[str, Any] = {
-        "group_id": f"fscb-{uuid.uuid4().hex}",
-        "batch": True,
-        "max_records": 500,
-        "ack_policy": AckPolicy.MANUAL,
-        "auto_offset_reset": "earliest",
-    }
-    if idem is not None:
-
-        @router.subscriber(topic, **options)
-        async def idempotent_handler(
-            bodies: list[dict[str, Any]], current: CurrentIdempotencyBatch
-        ) -> None:
-            await record_payments(current.messages, current.conn)
-
-    else:
-
-        @router.subscriber(topic, **options)
-        async def plain_handler(bodies: list[dict[str, Any]], message: KafkaMessage) -> None:
-            async with pool.acquire() as conn, conn.transaction():
-                await record_payments([_view(r) for r in message.raw_message], conn)
-            await message.ack()
-            clock.tick(len(bodies))
-
-    return await _measure(broker, router, clock, idem, N)
+    return await faststream_kafka_batch(pool, store, topic, idempotent, N, make=_broker, view=_view)
 
 
 async def run() -> list[dict[str, Any]]:
