@@ -160,7 +160,7 @@ class _Kafka:
     async def _commit_latest(self, consumer: Any) -> None:
         try:
             while offsets := self._uncommitted.pop(id(consumer), None):
-                await self.commit(consumer, offsets)
+                await self.commit(consumer, offsets, wait=False)  # (as ack(): lost = replayed)
         finally:
             self._committers.pop(id(consumer), None)
             self._uncommitted.pop(id(consumer), None)  # (cancelled: delivered again instead)
