@@ -226,16 +226,24 @@ def _faststream(store: PostgresStore, idempotent: bool) -> tuple[Any, Any, Any]:
 
 
 async def faststream_kafka(
-    pool: asyncpg.Pool, store: PostgresStore, topic: str, idempotent: bool, count: int
+    pool: asyncpg.Pool,
+    store: PostgresStore,
+    topic: str,
+    idempotent: bool,
+    count: int,
+    make: Callable[[PostgresStore, bool], tuple[Any, Any, Any]] = _faststream,
+    view: Callable[[Any], Any] = to_message,
 ) -> float:
     """One FastStream subscriber (``AckPolicy.MANUAL``), with or without the middleware: the
-    effect in a transaction, then the ack (a commit of the partition's offset, per message)."""
+    effect in a transaction, then the ack (a commit of the partition's offset, per message).
+    ``make``: the broker, router and middleware (aiokafka's broker by default); ``view``: the
+    plain handler's ``ConsumerMessage`` of a record."""
     from faststream import AckPolicy
     from faststream.kafka import KafkaMessage
 
     from consumer_idem.faststream import CurrentIdempotency
 
-    broker, router, idem = _faststream(store, idempotent)
+    broker, router, idem = make(store, idempotent)
     clock = Clock()
     options: dict[str, Any] = {
         "group_id": f"fs-{uuid.uuid4().hex}",
@@ -254,7 +262,7 @@ async def faststream_kafka(
         @router.subscriber(topic, **options)
         async def plain_handler(body: dict[str, Any], message: KafkaMessage) -> None:
             async with pool.acquire() as conn, conn.transaction():
-                await record_payment(to_message(message.raw_message), conn)
+                await record_payment(view(message.raw_message), conn)
             await message.ack()
             clock.tick()
 
@@ -262,17 +270,24 @@ async def faststream_kafka(
 
 
 async def faststream_kafka_batch(
-    pool: asyncpg.Pool, store: PostgresStore, topic: str, idempotent: bool
+    pool: asyncpg.Pool,
+    store: PostgresStore,
+    topic: str,
+    idempotent: bool,
+    count: int = N,
+    make: Callable[[PostgresStore, bool], tuple[Any, Any, Any]] = _faststream,
+    view: Callable[[Any], Any] = to_message,
 ) -> float:
     """One FastStream batch subscriber (``batch=True``, ``AckPolicy.MANUAL``, up to 500 records
     a batch), with or without the middleware: the set-based effect for the batch in
-    one transaction, then the commit of the offsets; over the whole topic."""
+    one transaction, then the commit of the offsets; over the first ``count`` records
+    (``make``, ``view``: as for `faststream_kafka`)."""
     from faststream import AckPolicy
     from faststream.kafka import KafkaMessage
 
     from consumer_idem.faststream import CurrentIdempotencyBatch
 
-    broker, router, idem = _faststream(store, idempotent)
+    broker, router, idem = make(store, idempotent)
     clock = Clock()
     options: dict[str, Any] = {
         "group_id": f"fsb-{uuid.uuid4().hex}",
@@ -294,11 +309,11 @@ async def faststream_kafka_batch(
         @router.subscriber(topic, **options)
         async def plain_handler(bodies: list[dict[str, Any]], message: KafkaMessage) -> None:
             async with pool.acquire() as conn, conn.transaction():
-                await record_payments([to_message(r) for r in message.raw_message], conn)
+                await record_payments([view(r) for r in message.raw_message], conn)
             await message.ack()
             clock.tick(len(bodies))
 
-    return await _measure(broker, router, clock, idem, N)
+    return await _measure(broker, router, clock, idem, count)
 
 
 async def rotated(rounds: int, sides: Sequence[Callable[[], Any]]) -> list[list[float]]:

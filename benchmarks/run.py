@@ -26,6 +26,7 @@ BENCHMARKS = [
     "peer",
     "outbox",
     "faststream_nats",
+    "faststream_confluent",
 ]
 
 

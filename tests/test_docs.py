@@ -100,7 +100,7 @@ def test_every_snippet_program_is_shown_on_a_page() -> None:
 
 #: the programs that need a service besides PostgreSQL (each test below takes that service's
 #: fixture, so a service that does not answer fails the test, naming it)
-KAFKA = {"kafka.py", "faststream_app.py", "faststream_batch.py"}
+KAFKA = {"kafka.py", "faststream_app.py", "faststream_batch.py", "faststream_confluent.py"}
 RABBIT = {"rabbitmq.py", "outbox.py"}
 REDIS = {"redis_cache.py", "redis_store.py"}
 NATS = {"faststream_nats.py"}

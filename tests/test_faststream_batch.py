@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import signal
-import sys
 from collections import Counter
 from typing import Annotated, Any
 
@@ -34,27 +32,13 @@ from consumer_idem.faststream import (
 )
 from consumer_idem.notice import decode_notice
 from consumer_idem.transports.kafka import to_message
+from tests._faststream import children as children
+from tests._faststream import committed, effects_by_key, keyed, send
+from tests._faststream import start_child as start_process
 from tests._payments import read_topic, wait_until
-from tests.conftest import ROOT_DIR, unique
+from tests.conftest import unique
 
 KEY = header("idempotency-key")
-
-
-async def send(
-    producer: AIOKafkaProducer, topic: str, items: list[tuple[str | None, bytes]], partitions: int
-) -> None:
-    for i, (key, body) in enumerate(items):
-        headers = [] if key is None else [("idempotency-key", key.encode())]
-        await producer.send(topic, body, partition=i % partitions, headers=headers)
-    await producer.flush()
-
-
-def keyed(count: int, repeated: int = 0) -> list[tuple[str | None, bytes]]:
-    """``count`` keyed records, then the first ``repeated`` of them again."""
-    items: list[tuple[str | None, bytes]] = [
-        (f"k{i}", json.dumps({"n": i}).encode()) for i in range(count)
-    ]
-    return items + items[:repeated]
 
 
 def idempotent_broker(
@@ -82,16 +66,6 @@ async def run_until_committed(
         await wait_until(settled, within, f"the group to commit {offsets}")
     finally:
         await broker.stop()
-
-
-async def effects_by_key(pool: asyncpg.Pool, scope: str) -> Counter[str]:
-    rows = await pool.fetch("SELECT key FROM fs_effects WHERE scope = $1", scope)
-    return Counter(r["key"] for r in rows)
-
-
-async def committed(admin: AIOKafkaAdminClient, group: str) -> dict[int, int]:
-    offsets = await admin.list_consumer_group_offsets(group)
-    return {tp.partition: meta.offset for tp, meta in offsets.items()}
 
 
 def batch_app(
@@ -374,36 +348,8 @@ async def test_a_rebalance_between_two_consumers_loses_and_doubles_nothing(
     assert counts == Counter({f"k{i}": 1 for i in range(2000)})
 
 
-CHILDREN: list[asyncio.subprocess.Process] = []
-
-
-@pytest.fixture
-async def children() -> Any:
-    """Child processes a test started are killed when it ends, whatever happened."""
-    yield CHILDREN
-    for proc in CHILDREN:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    CHILDREN.clear()
-
-
 async def start_child(pg_dsn: str, *args: str) -> asyncio.subprocess.Process:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "tests._faststream_batch_child",
-        *args,
-        cwd=ROOT_DIR,
-        env=dict(os.environ, CONSUMER_IDEM_PG_DSN=pg_dsn),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=None,
-    )
-    CHILDREN.append(proc)
-    assert proc.stdout is not None
-    line = await asyncio.wait_for(proc.stdout.readline(), timeout=60)
-    assert line and json.loads(line)["event"] == "started", line
-    return proc
+    return await start_process("tests._faststream_batch_child", pg_dsn, *args)
 
 
 @pytest.mark.parametrize("step", ["handler", "committed", "kafka", "random"])

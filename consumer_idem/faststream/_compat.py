@@ -10,6 +10,8 @@ breaks here, in one small function, and the tests of the FastStream integration 
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -111,3 +113,27 @@ def nats_acks_on_delivery(subscriber: Any) -> bool:
     Checked: 0.7.8."""
     options = getattr(subscriber, "extra_options", None) or {}
     return options.get("manual_ack") is False
+
+
+def confluent_connection(broker: Any) -> Any:
+    """The options a ``faststream.confluent.KafkaBroker`` was created with (its
+    ``ConfluentFastConfig``: ``consumer_config`` and ``producer_config`` as librdkafka reads
+    them, the broker's ``config=`` overriding the named arguments): ``broker.config``'s
+    ``broker_config.connection_config``, internal classes; no public API returns them.
+    Checked: 0.7.8."""
+    return broker.config.broker_config.connection_config
+
+
+async def confluent_commit(consumer: Any, offsets: list[Any], wait: bool = True) -> None:
+    """Commit exactly ``offsets`` (confluent_kafka ``TopicPartition``s) for the
+    ``AsyncConfluentConsumer`` ``consumer``; ``wait``: for the broker's answer (else librdkafka
+    sends it in the background, in order, and logs a failure). Its public
+    ``commit()`` commits every partition's position, which may be ahead of what is settled, so
+    the wrapped confluent ``Consumer`` (its ``consumer`` attribute) commits instead, on the
+    wrapper's private single-thread ``_thread_pool``: FastStream runs every call of that
+    consumer there, so a commit never runs beside its poll or close. Checked: 0.7.8."""
+    pool = consumer._thread_pool
+    client = consumer.consumer
+    await asyncio.get_running_loop().run_in_executor(
+        pool, functools.partial(client.commit, offsets=offsets, asynchronous=not wait)
+    )

@@ -115,9 +115,7 @@ def members(
     idem.batch_consumer  # noqa: B018 - refuses two-phase mode here, before anything runs
     if isinstance(transport, _Nats):
         return [transport.incoming_raw(raw) for raw in message.raw_message]
-    from consumer_idem.transports.kafka import to_message
-
-    return [to_message(record) for record in message.raw_message]
+    return [transport.message_of(record) for record in message.raw_message]
 
 
 async def handle(
@@ -215,12 +213,24 @@ class DecodedAhead:
 
 @dataclass(frozen=True, slots=True)
 class _Member:
-    record: Any  # aiokafka's ConsumerRecord
+    record: Any  # the Kafka client's own record
     incoming: ConsumerMessage
 
     @property
     def partition(self) -> tuple[str, int]:
-        return (self.record.topic, self.record.partition)
+        return coordinates(self.incoming)[:2]
+
+    @property
+    def offset(self) -> int:
+        return coordinates(self.incoming)[2]
+
+
+def coordinates(incoming: ConsumerMessage) -> tuple[str, int, int]:
+    """``(topic, partition, offset)`` of a Kafka record's neutral view: read there, not on the
+    record, whose shape differs between Kafka clients (aiokafka, Confluent's)."""
+    topic, partition, offset = incoming.topic, incoming.partition, incoming.offset
+    assert topic is not None and partition is not None and offset is not None
+    return topic, partition, offset
 
 
 class SubscriberSide:
@@ -256,7 +266,7 @@ class _BatchSettler(SubscriberSide):
         self.wait = 0.0
 
     async def ack(self, delivery: _Member) -> None:
-        self.done[delivery.partition] = delivery.record.offset + 1
+        self.done[delivery.partition] = delivery.offset + 1
 
     async def retry_later(self, delivery: _Member, verdict: Verdict) -> None:
         log.info("retrying in %.2fs (%s)", verdict.retry_after, verdict.reason)
@@ -264,10 +274,10 @@ class _BatchSettler(SubscriberSide):
         await self.give_back(delivery)
 
     async def give_back(self, delivery: _Member) -> None:
-        self.back.setdefault(delivery.partition, delivery.record.offset)
+        self.back.setdefault(delivery.partition, delivery.offset)
 
     def dead_letter_destination(self, delivery: _Member) -> str:
-        return self.idem.dead_letter_destination(delivery.record.topic)
+        return self.idem.dead_letter_destination(delivery.partition[0])
 
     def body_size(self, delivery: _Member) -> int:
         return len(delivery.incoming.body)
@@ -282,7 +292,7 @@ class _BatchSettler(SubscriberSide):
     def notice_body(self, delivery: _Member, verdict: Verdict, with_original: bool) -> bytes:
         if not with_original:
             return reconcile_notice(verdict)
-        return reconcile_notice(verdict, delivery.incoming, delivery.record.topic)
+        return reconcile_notice(verdict, delivery.incoming, delivery.partition[0])
 
     async def send_notice(self, scope: str, key: str, body: bytes) -> None:
         await self.transport.notice(scope, key, body)
@@ -311,25 +321,25 @@ async def settle_batch(
     settler = _BatchSettler(idem, subscriber)
     stats, done, back = settler.stats, settler.done, settler.back
     for i, incoming in enumerate(run):
-        record = incoming.raw
-        partition = (record.topic, record.partition)
+        topic, number, offset = coordinates(incoming)
+        partition = (topic, number)
         if partition in back:
             continue  # after a member that waits: delivered again with it, in order
         verdict = verdicts[i] if i < len(verdicts) else None
         if verdict is None:  # the core stopped at a wait: the rest was not decided
-            back.setdefault(partition, record.offset)
+            back.setdefault(partition, offset)
         elif settled_by_commit(verdict):  # the commit settled it: ack, as the settle path would
             settle.count_ack(stats, verdict)
             stats.processed += 1
-            done[partition] = record.offset + 1  # inlined ack(): this loop runs per record
+            done[partition] = offset + 1  # inlined ack(): this loop runs per record
         else:
-            await settle.settle(settler, _Member(record, incoming), verdict)
+            await settle.settle(settler, _Member(incoming.raw, incoming), verdict)
     transport = settler.transport
     # each partition up to its first record not settled (acks come in order, and none after
     # a stop): in the background, while the next batch is fetched
     transport.commit_soon(consumer, settler.done)
     if settler.back:
         await settle.pause(settler.wait, settler.stopping)
-        transport.seek(consumer, settler.back)
+        await transport.seek(consumer, settler.back)
         return False
     return True

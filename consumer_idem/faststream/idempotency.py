@@ -23,6 +23,7 @@ from consumer_idem.faststream.batch import (
     IdempotencyBatchContext as IdempotencyBatchContext,
 )
 from consumer_idem.faststream.budget import RabbitBudget
+from consumer_idem.faststream.confluent_side import _Confluent
 from consumer_idem.faststream.context import (
     _CURRENT,
     DEFAULT_RECONCILE_DESTINATION,
@@ -148,6 +149,7 @@ class Idempotency:
     def _transport_for(self, broker: Any) -> _Transport:
         kinds: list[tuple[str, str, type[_Kafka] | type[_Rabbit] | type[_Nats]]] = [
             ("faststream.kafka", "KafkaBroker", _Kafka),
+            ("faststream.confluent", "KafkaBroker", _Confluent),
             ("faststream.rabbit", "RabbitBroker", _Rabbit),
             ("faststream.nats", "NatsBroker", _Nats),
         ]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -37,37 +36,56 @@ class _Kafka:
     holds_waits = False  # a seek back costs nothing; holding would exceed max.poll.interval
 
     def __init__(self, idem: Idempotency, broker: Any) -> None:
-        from aiokafka import AIOKafkaConsumer, TopicPartition
-        from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
-
         self.idem = idem
         self.broker = broker
-        self._consumer_type = AIOKafkaConsumer
-        self._tp = TopicPartition
-        self._commit_errors = (CommitFailedError, IllegalStateError, KafkaError, AssertionError)
-        # batch subscribers' background commits, per consumer: the offsets still to commit
-        # and the task committing them
-        self._uncommitted: weakref.WeakKeyDictionary[Any, dict[tuple[str, int], int]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._committers: weakref.WeakKeyDictionary[Any, asyncio.Task[None]] = (
-            weakref.WeakKeyDictionary()
-        )
-        options = _compat.producer_options(broker)
-        if options.get("acks") not in ("all", -1) and not options.get("enable_idempotence"):
+        # batch subscribers' background commits, per consumer (by id: Confluent's consumer
+        # wrapper cannot be weakly referenced): the offsets still to commit and the task
+        # committing them, both dropped when the task ends (so an id is never reused here)
+        self._uncommitted: dict[int, dict[tuple[str, int], int]] = {}
+        self._committers: dict[int, asyncio.Task[None]] = {}
+        self._bind_client()
+        if not self.durable_producer():
             log.warning(
                 "KafkaBroker without acks='all': a dead letter or reconciliation notice may be "
                 "lost with a broker failover after its delivery was committed. "
                 "Create it with KafkaBroker(..., acks='all', enable_idempotence=True)."
             )
 
-    def incoming(self, message: StreamMessage[Any]) -> ConsumerMessage:
+    def _bind_client(self) -> None:
+        """The Kafka client's types this side uses (aiokafka's here)."""
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+        from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+
+        self._consumer_type: type = AIOKafkaConsumer
+        self._tp: Any = TopicPartition
+        self._commit_errors: tuple[type[BaseException], ...] = (
+            CommitFailedError,
+            IllegalStateError,
+            KafkaError,
+            AssertionError,
+        )
+
+    def durable_producer(self) -> bool:
+        """Does the broker's producer wait for every in-sync replica (``acks='all'``)?"""
+        options = _compat.producer_options(self.broker)
+        return options.get("acks") in ("all", -1) or bool(options.get("enable_idempotence"))
+
+    def view(self, record: Any) -> Any:
+        """``record`` with aiokafka's record attributes (``topic``, ``partition``, ``offset``,
+        ``key``, ``value``, ``headers``): aiokafka's own record as it is."""
+        return record
+
+    def message_of(self, record: Any) -> ConsumerMessage:
+        """The transport-neutral view of one record (``raw``: the client's own record)."""
         from consumer_idem.transports.kafka import to_message
 
+        return to_message(self.view(record))
+
+    def incoming(self, message: StreamMessage[Any]) -> ConsumerMessage:
         record = message.raw_message
         if not hasattr(record, "offset"):  # (a batch's tuple goes through members())
             raise IdempotencyConfigError("a Kafka Idempotency middleware got a non-Kafka message")
-        return to_message(record)
+        return self.message_of(record)
 
     def check(self, subscriber: Any) -> None:
         # FastStream's max_workers with manual commits runs one consumer per worker (each
@@ -84,7 +102,7 @@ class _Kafka:
             )
 
     def source(self, message: StreamMessage[Any], subscriber: Any) -> str:
-        return str(message.raw_message.topic)
+        return str(self.view(message.raw_message).topic)
 
     def properties(self, incoming: ConsumerMessage) -> dict[str, Any] | None:
         return None
@@ -95,24 +113,34 @@ class _Kafka:
         return isinstance(exc, PERMANENT_ERRORS)
 
     async def ack(self, message: StreamMessage[Any]) -> None:
-        record = message.raw_message
+        record = self.view(message.raw_message)
         # This partition only, up to this record: FastStream's own ack commits every
         # partition's position, which may be ahead of what is done.
         offsets = {(record.topic, record.partition): record.offset + 1}
-        await self.commit(getattr(message, "consumer", None), offsets)
+        # (not waiting for the broker's answer where the client can: the next record's commit
+        # covers this one, and a lost one only delivers again what the keys replay)
+        await self.commit(getattr(message, "consumer", None), offsets, wait=False)
         message.committed = AckStatus.ACKED
 
-    async def commit(self, consumer: Any, offsets: dict[tuple[str, int], int]) -> None:
+    async def commit(
+        self, consumer: Any, offsets: dict[tuple[str, int], int], *, wait: bool = True
+    ) -> None:
         """Commit ``{(topic, partition): next offset}`` through the delivery's consumer."""
         if isinstance(consumer, self._consumer_type):
             try:
-                await consumer.commit({self._tp(*tp): offset for tp, offset in offsets.items()})
+                await self._commit_offsets(consumer, offsets, wait)
             except self._commit_errors as exc:
                 # Rebalancing, or no longer ours: the next owner re-reads from the last commit
                 # and meets completed records (replays), so nothing is lost or doubled.
                 log.warning("commit of %s failed: %r", offsets, exc)
         elif consumer is not None and offsets:  # FastStream's test consumer: nothing to commit
             await consumer.commit()
+
+    async def _commit_offsets(
+        self, consumer: Any, offsets: dict[tuple[str, int], int], wait: bool
+    ) -> None:
+        # (aiokafka's commit always waits for the broker)
+        await consumer.commit({self._tp(*tp): offset for tp, offset in offsets.items()})
 
     def commit_soon(self, consumer: Any, offsets: dict[tuple[str, int], int]) -> None:
         """Commit in the background, the latest offsets first come: the subscriber fetches and
@@ -121,28 +149,34 @@ class _Kafka:
         and the keys make those replays (as ``KafkaRunner``'s background commits)."""
         if consumer is None or not offsets:
             return
-        uncommitted = self._uncommitted.setdefault(consumer, {})
+        uncommitted = self._uncommitted.setdefault(id(consumer), {})
         for tp, offset in offsets.items():
             uncommitted[tp] = max(offset, uncommitted.get(tp, 0))
-        running = self._committers.get(consumer)
-        if running is None or running.done():
+        if id(consumer) not in self._committers:
             task = asyncio.create_task(self._commit_latest(consumer))
             task.add_done_callback(_log_failure)
-            self._committers[consumer] = task
+            self._committers[id(consumer)] = task
 
     async def _commit_latest(self, consumer: Any) -> None:
-        while offsets := self._uncommitted.pop(consumer, None):
-            await self.commit(consumer, offsets)
+        try:
+            while offsets := self._uncommitted.pop(id(consumer), None):
+                await self.commit(consumer, offsets, wait=False)  # (as ack(): lost = replayed)
+        finally:
+            self._committers.pop(id(consumer), None)
+            self._uncommitted.pop(id(consumer), None)  # (cancelled: delivered again instead)
 
-    def seek(self, consumer: Any, offsets: dict[tuple[str, int], int]) -> None:
+    async def seek(self, consumer: Any, offsets: dict[tuple[str, int], int]) -> None:
         """Deliver each partition again from ``offsets[(topic, partition)]``."""
         if consumer is None:
             return
         for tp, offset in offsets.items():
             try:
-                consumer.seek(self._tp(*tp), offset)
+                await self._seek_one(consumer, tp, offset)
             except self._commit_errors as exc:  # revoked meanwhile: its next owner re-reads it
                 log.warning("seek of %s/%s to %s failed: %r", *tp, offset, exc)
+
+    async def _seek_one(self, consumer: Any, tp: tuple[str, int], offset: int) -> None:
+        consumer.seek(self._tp(*tp), offset)
 
     async def retry(self, message: StreamMessage[Any]) -> None:
         await message.nack()  # seeks back to this record: it is the next one fetched
@@ -173,6 +207,7 @@ class _Kafka:
         """One record to ``to``, as ``KafkaRunner`` dead-letters it (a batch member too)."""
         from consumer_idem.transports.kafka import dead_letter_headers
 
+        record = self.view(record)
         await self.publish(
             to,
             b"" if body_dropped else record.value,

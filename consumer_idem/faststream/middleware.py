@@ -202,7 +202,7 @@ class _Middleware(BaseMiddleware):
             log.warning("delivery not handed to the handler, will be delivered again: %r", exc)
             stopping = _Settler(self.idem, self.subscriber).stopping
             await settle.pause(self.idem.consumer.backoff_base, stopping)
-            unrouted.seek_back(self.idem, self.subscriber, records)
+            await unrouted.seek_back(self.idem, self.subscriber, records)
         return False
 
     def _settler(self, message: StreamMessage[Any]) -> _Settler:

@@ -51,7 +51,7 @@ async def settle_unrouted(idem: Idempotency, context: Any, raw: Any) -> bool:
     middleware's handler call; False when it is not one to settle here (it is handed back).
     Whatever FastStream's error was (an exception middleware inside this one may have
     swallowed it), the delivery is routed again to find out."""
-    from consumer_idem.transports.kafka import to_message
+    from consumer_idem.faststream.kafka_side import _Kafka
 
     subscriber = _compat.current_subscriber(context)
     records = kafka_records(idem, raw)
@@ -69,7 +69,8 @@ async def settle_unrouted(idem: Idempotency, context: Any, raw: Any) -> bool:
     except _Outage as exc:
         log.warning("delivery not handed to the handler (%s): it is delivered again", exc)
         return False
-    members = [to_message(record) for record in records]
+    assert isinstance(idem.transport, _Kafka)  # kafka_records() found records
+    members = [idem.transport.message_of(record) for record in records]
     await batch.settle_batch(
         idem,
         subscriber,
@@ -90,16 +91,16 @@ def kafka_records(idem: Idempotency, raw: Any) -> list[Any]:
     return records
 
 
-def seek_back(idem: Idempotency, subscriber: Any, records: list[Any]) -> None:
+async def seek_back(idem: Idempotency, subscriber: Any, records: list[Any]) -> None:
     """Deliver each partition of a Kafka delivery again from its first record."""
     from consumer_idem.faststream.kafka_side import _Kafka
 
     assert isinstance(idem.transport, _Kafka)
     first: dict[tuple[str, int], int] = {}
-    for record in records:
+    for record in map(idem.transport.view, records):
         tp = (record.topic, record.partition)
         first[tp] = min(record.offset, first.get(tp, record.offset))
-    idem.transport.seek(_consumer_of(records, subscriber), first)
+    await idem.transport.seek(_consumer_of(records, subscriber), first)
 
 
 def _consumer_of(records: list[Any], subscriber: Any) -> Any:
