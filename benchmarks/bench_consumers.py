@@ -40,6 +40,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from benchmarks import kafka_scale
 from benchmarks.common import Clock, entry, scratch_database, settle, until
+from benchmarks.pg_cpu import CpuMeter, postmaster_of
 from consumer_idem import PostgresStore, header, idempotent_consumer
 from consumer_idem.cli.settings import load_settings
 from consumer_idem.transports.kafka import KafkaRunner, to_message
@@ -364,15 +365,34 @@ async def kafka_entries(
         # rounds, medians
         await plain_kafka_per_partition(pool, eight, P8)
         await idempotent_kafka(store, eight, batch=False, count=P8)
+        # and the CPU per message of each round: this process's and the server's
+        meter = CpuMeter(await postmaster_of(dsn))
+        cpu: dict[str, list[float]] = {"plain": [], "idempotent": []}
+
+        async def metered(side: str, run: Callable[[], Awaitable[float]]) -> float:
+            meter.start()
+            rate = await run()
+            meter.stop(P8)
+            cpu[side].append(meter.pg_us + meter.client_us)
+            return rate
+
         base, subject, ratios = await alternate(
             9,
-            lambda: plain_kafka_per_partition(pool, eight, P8),
-            lambda: idempotent_kafka(store, eight, batch=False, count=P8),
+            lambda: metered("plain", lambda: plain_kafka_per_partition(pool, eight, P8)),
+            lambda: metered(
+                "idempotent", lambda: idempotent_kafka(store, eight, batch=False, count=P8)
+            ),
         )
-        print(f"   p8 ratios per round: {ratios}", flush=True)
+        print(f"   p8 ratios per round: {ratios}; cpu per message: {cpu}", flush=True)
         results += [
             entry("kafka.plain.one_per_transaction.p8", base, "msg/s", None),
             entry("kafka.idempotent.one_per_transaction.p8", subject, "msg/s", base),
+            entry(
+                "consumer.cpu_per_message.kafka.p8",
+                statistics.median(cpu["idempotent"]),
+                "us/msg",
+                statistics.median(cpu["plain"]),
+            ),
         ]
 
         # FastStream, one partition, per message (the first FS_COUNT records of the topic)
