@@ -63,7 +63,7 @@ async def run(per_chunk: int = 300, chunks: int = 12) -> list[dict[str, Any]]:
         # Postgres CPU per unit: (suffix, worker processes, tasks each)
         for suffix, procs, tasks in (("c1", 1, 1), ("c16", 1, 16), ("c64", 4, 16)):
             await settle()
-            plain, idem, ratios = await cpu_per_unit(dsn, procs, tasks)
+            plain_us, idem_us, ratios = await cpu_per_unit(dsn, procs, tasks)
             print(f"   pg cpu per unit {suffix}: ratios per round {ratios}", flush=True)
-            results.append(entry(f"store.pg_cpu_per_unit.{suffix}", idem, "us/unit", plain))
+            results.append(entry(f"store.pg_cpu_per_unit.{suffix}", idem_us, "us/unit", plain_us))
     return results
