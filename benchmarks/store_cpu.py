@@ -52,8 +52,10 @@ async def _serve(dsn: str, tasks: int, name: str, pipe: Connection) -> None:
                             await conn.execute(EFFECT, key, "c1", 100)
                     else:
 
-                        async def effect(conn: asyncpg.Connection, key: str = key) -> None:
+                        async def effect(conn: asyncpg.Connection, key: str = key) -> Any:
                             await conn.execute(EFFECT, key, "c1", 100)
+                            # "idem+result": a result stored with the claim (an UPDATE of it)
+                            return {"ok": 1} if mode == "idem+result" else None
 
                         await run_transactional(store, f"cpu-{tag}", key, "v1:jcs:x", effect)
                     count += 1
