@@ -4,7 +4,9 @@
 (the current schema, then each change of `VARIANTS` made by hand after the migrations), the
 plain unit on the first one; every round runs each side once, each round starting with the
 next side; medians, each as a ratio to the plain unit. Only to decide whether a schema change
-is worth a migration: the changes here drop what the library needs.
+is worth a migration: the changes here drop what the library needs. Each variant keeps its
+clients' connections open, so the server needs ``max_connections`` above 4 x P x T (a server of
+its own: run it with ``CONSUMER_IDEM_PG_DSN`` pointing there).
 """
 
 from __future__ import annotations
