@@ -40,6 +40,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from benchmarks import kafka_scale
 from benchmarks.common import Clock, entry, scratch_database, settle, until
+from benchmarks.pg_cpu import CpuMeter, postmaster_of
 from consumer_idem import PostgresStore, header, idempotent_consumer
 from consumer_idem.cli.settings import load_settings
 from consumer_idem.transports.kafka import KafkaRunner, to_message
@@ -337,6 +338,44 @@ async def alternate(
     return statistics.median(base), statistics.median(subj), ratios
 
 
+async def p8_entries(
+    dsn: str, pool: asyncpg.Pool, store: PostgresStore, topic: str, rounds: int = 9
+) -> list[dict[str, Any]]:
+    """Eight partitions, one message per transaction: the rates, and the CPU per message of
+    each round (this process's and the server's)."""
+    # one run of each first, not counted: the first reads of a new topic cost more, and
+    # single rounds here ranged from 0.56 to 1.22 (0.64 to 1.12 in one run of five): nine
+    # rounds, medians
+    await plain_kafka_per_partition(pool, topic, P8)
+    await idempotent_kafka(store, topic, batch=False, count=P8)
+    meter = CpuMeter(await postmaster_of(dsn))
+    cpu: dict[str, list[float]] = {"plain": [], "idempotent": []}
+
+    async def metered(side: str, run: Callable[[], Awaitable[float]]) -> float:
+        meter.start()
+        rate = await run()
+        meter.stop(P8)
+        cpu[side].append(meter.pg_us + meter.client_us)
+        return rate
+
+    base, subject, ratios = await alternate(
+        rounds,
+        lambda: metered("plain", lambda: plain_kafka_per_partition(pool, topic, P8)),
+        lambda: metered("idempotent", lambda: idempotent_kafka(store, topic, False, P8)),
+    )
+    print(f"   p8 ratios per round: {ratios}; cpu per message: {cpu}", flush=True)
+    return [
+        entry("kafka.plain.one_per_transaction.p8", base, "msg/s", None),
+        entry("kafka.idempotent.one_per_transaction.p8", subject, "msg/s", base),
+        entry(
+            "consumer.cpu_per_message.kafka.p8",
+            statistics.median(cpu["idempotent"]),
+            "us/msg",
+            statistics.median(cpu["plain"]),
+        ),
+    ]
+
+
 async def kafka_entries(
     dsn: str, pool: asyncpg.Pool, store: PostgresStore, run_id: str
 ) -> list[dict[str, Any]]:
@@ -374,21 +413,7 @@ async def kafka_entries(
         # machine settles (autovacuum and checkpoints after the batch runs' 60,000 rows)
         await send_kafka(plan(P8, 0.0, 2, run_id), eight)
         await settle()
-        # one run of each first, not counted: the first reads of a new topic cost more, and
-        # single rounds here ranged from 0.56 to 1.22 (0.64 to 1.12 in one run of five): nine
-        # rounds, medians
-        await plain_kafka_per_partition(pool, eight, P8)
-        await idempotent_kafka(store, eight, batch=False, count=P8)
-        base, subject, ratios = await alternate(
-            9,
-            lambda: plain_kafka_per_partition(pool, eight, P8),
-            lambda: idempotent_kafka(store, eight, batch=False, count=P8),
-        )
-        print(f"   p8 ratios per round: {ratios}", flush=True)
-        results += [
-            entry("kafka.plain.one_per_transaction.p8", base, "msg/s", None),
-            entry("kafka.idempotent.one_per_transaction.p8", subject, "msg/s", base),
-        ]
+        results += await p8_entries(dsn, pool, store, eight)
 
         # FastStream, one partition, per message (the first FS_COUNT records of the topic)
         base, subject, ratios = await alternate(

@@ -1,5 +1,6 @@
 """Transactional mode (claim + one effect row + complete, one commit) against the same effect
-INSERT committed without the store, same run, same database."""
+INSERT committed without the store, same run, same database: rates, then Postgres CPU per unit
+(`benchmarks.store_cpu`; lower is better, so a ratio under 1 is a gain there)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Any
 
 import asyncpg
 
-from benchmarks.common import entry, interleaved, rate, scratch_database
+from benchmarks.common import entry, interleaved, rate, scratch_database, settle
+from benchmarks.store_cpu import TABLE, cpu_per_unit
 from consumer_idem import PostgresStore, run_transactional
 
 EFFECT = "INSERT INTO bench_effects (id, customer_id, amount_cents) VALUES ($1, $2, $3)"
@@ -56,5 +58,12 @@ async def run(per_chunk: int = 300, chunks: int = 12) -> list[dict[str, Any]]:
             results.append(
                 entry(f"store.transactional.reservations_per_s.{suffix}", subject, "ops/s", base)
             )
+        await pool.execute(TABLE)
         await pool.close()
+        # Postgres CPU per unit: (suffix, worker processes, tasks each)
+        for suffix, procs, tasks in (("c1", 1, 1), ("c16", 1, 16), ("c64", 4, 16)):
+            await settle()
+            plain_us, idem_us, ratios = await cpu_per_unit(dsn, procs, tasks)
+            print(f"   pg cpu per unit {suffix}: ratios per round {ratios}", flush=True)
+            results.append(entry(f"store.pg_cpu_per_unit.{suffix}", idem_us, "us/unit", plain_us))
     return results

@@ -1,0 +1,93 @@
+"""Postgres CPU per idempotent unit on altered copies of the store's schema, in one run.
+
+``python -m benchmarks.cpu_variants 4x16 [rounds] [seconds]``: a scratch database per variant
+(the current schema, then each change of `VARIANTS` made by hand after the migrations), the
+plain unit on the first one; every round runs each side once, each round starting with the
+next side; medians, each as a ratio to the plain unit. Only to decide whether a schema change
+is worth a migration: the changes here drop what the library needs. Each variant keeps its
+clients' connections open, so the server needs ``max_connections`` above 4 x P x T (a server of
+its own: run it with ``CONSUMER_IDEM_PG_DSN`` pointing there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+from contextlib import AsyncExitStack
+
+import asyncpg
+
+from benchmarks.common import scratch_database
+from benchmarks.pg_cpu import CpuMeter, postmaster_of
+from benchmarks.store_cpu import TABLE, Clients
+from consumer_idem import PostgresStore
+
+RECORDS = "consumer_idem.idempotency_records"
+VARIANTS: dict[str, list[str]] = {
+    "current": [],
+    "no_expiry_btree": [f"DROP INDEX {RECORDS}_expiry"],
+    "no_partial_indexes": [
+        f"DROP INDEX {RECORDS}_leases, {RECORDS}_listing, {RECORDS}_reconcile_due"
+    ],
+    "no_checks": [
+        f"ALTER TABLE {RECORDS} DROP CONSTRAINT idempotency_records_check,"
+        " DROP CONSTRAINT idempotency_records_result_kind_check,"
+        " DROP CONSTRAINT idempotency_records_status_check"
+    ],
+}
+
+
+async def _prepare(dsn: str, changes: list[str]) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(TABLE)
+        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2)
+        assert pool is not None
+        await PostgresStore(pool).migrate()
+        await pool.close()
+        for sql in changes:
+            await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+async def main(level: str, rounds: int, seconds: float) -> None:
+    procs, tasks = map(int, level.split("x"))
+    async with AsyncExitStack() as stack:
+        dsns = {}
+        for name, changes in VARIANTS.items():
+            dsns[name] = await stack.enter_async_context(scratch_database())
+            await _prepare(dsns[name], changes)
+        meter = CpuMeter(await postmaster_of(dsns["current"]))
+        clients = {name: Clients(dsn, procs, tasks) for name, dsn in dsns.items()}
+        try:
+            sides = [("plain", "current")] + [("idem", name) for name in VARIANTS]
+            for mode, name in sides:  # warm-up
+                await clients[name].round(mode, 1.0, f"w{mode}")
+            cpu: dict[tuple[str, str], list[float]] = {side: [] for side in sides}
+            for r in range(rounds):
+                for k in range(len(sides)):
+                    mode, name = sides[(r + k) % len(sides)]
+                    meter.start()
+                    units = await clients[name].round(mode, seconds, f"r{r}")
+                    cpu[(mode, name)].append(meter.stop(units).pg_us)
+        finally:
+            for c in clients.values():
+                c.close()
+    plain = statistics.median(cpu[("plain", "current")])
+    out: dict[str, object] = {"level": level, "plain_us": round(plain)}
+    for name in VARIANTS:
+        us = statistics.median(cpu[("idem", name)])
+        out[name] = {"us": round(us), "ratio": round(us / plain, 2)}
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    asyncio.run(
+        main(
+            args[0], int(args[1]) if len(args) > 1 else 7, float(args[2]) if len(args) > 2 else 2.0
+        )
+    )
