@@ -404,3 +404,54 @@ async def test_redis_outbox_publishes_to_a_stream_once_per_committed_run(
     keys = await sent_keys(outbox, scope)
     assert {headers["idempotency-key"] for headers, _ in out} == {keys[k] for k in ("m1", "m2")}
     assert await pending(redis_client, stream) == 0
+
+
+async def test_redis_dead_consumers_pending_entries_are_claimed_and_settled_through_the_store(
+    redis_url: str,
+    redis_client: aioredis.Redis,
+    store: PostgresStore,
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    effects: None,
+    stream: str,
+) -> None:
+    """Entries a consumer read and never acked (it died) are claimed by a live one: the one
+    whose key already completed is acked without running, the other runs once."""
+    await redis_client.xgroup_create(stream, "workers", id="0", mkstream=True)
+    runs: list[str] = []
+
+    async def consume(until: int) -> None:
+        broker = RedisBroker(redis_url, logger=None)
+        idem = Idempotency(store, broker=broker, scope=scope, backoff=(0.05, 0.2))
+        router = RedisRouter(middlewares=[idem])
+
+        @idempotent_stream(router, stream)
+        async def handle(
+            data: dict[str, Any], conn: IdempotentConnection, current: CurrentIdempotency
+        ) -> None:
+            runs.append(current.key)
+            await write_effect(conn, current, data["n"])
+
+        broker.include_router(router)
+        await broker.start()
+        try:
+
+            async def settled() -> bool:
+                return idem.stats.processed >= until
+
+            await wait_until(settled, 20, f"{until} entries settled")
+        finally:
+            await broker.stop()
+
+    await redis_client.xadd(stream, {"__data__": await _encoded({"n": 0}, {"message_id": "done"})})
+    await consume(1)  # "done" completed and acked
+    for n, key in ((1, "done"), (2, "fresh")):  # a copy of it, and a new one
+        await redis_client.xadd(stream, {"__data__": await _encoded({"n": n}, {"message_id": key})})
+    # a consumer reads both and dies before acking either
+    await redis_client.xreadgroup("workers", "dead-pod", {stream: ">"}, count=2)
+    owners = await redis_client.xpending_range(stream, "workers", "-", "+", 10)
+    assert [o["consumer"] for o in owners] == [b"dead-pod", b"dead-pod"]
+    await consume(2)  # claimed after CLAIM_AFTER_MS, settled through the store
+    assert runs == ["done", "fresh"]  # the copy of "done" never ran
+    assert await effect_count(pg_pool, scope) == 2
+    assert await pending(redis_client, stream) == 0
