@@ -16,7 +16,17 @@ import sys
 
 from benchmarks.common import RESULTS, append_results, settle
 
-BENCHMARKS = ["store", "consumers", "redis", "http", "sqlalchemy", "scale", "peer", "outbox"]
+BENCHMARKS = [
+    "store",
+    "consumers",
+    "redis",
+    "http",
+    "sqlalchemy",
+    "scale",
+    "peer",
+    "outbox",
+    "faststream_redis",
+]
 
 
 async def one(name: str) -> None:
