@@ -17,7 +17,14 @@ import asyncpg
 import pytest
 import redis.asyncio as aioredis
 from faststream import AckPolicy
-from faststream.redis import BinaryMessageFormatV1, ListSub, RedisBroker, RedisRouter, StreamSub
+from faststream.redis import (
+    BinaryMessageFormatV1,
+    ListSub,
+    RedisBroker,
+    RedisRouter,
+    StreamSub,
+    TestRedisBroker,
+)
 
 from consumer_idem import IdempotencyConfigError, PostgresStore
 from consumer_idem.cli.settings import Settings
@@ -455,3 +462,28 @@ async def test_redis_dead_consumers_pending_entries_are_claimed_and_settled_thro
     assert runs == ["done", "fresh"]  # the copy of "done" never ran
     assert await effect_count(pg_pool, scope) == 2
     assert await pending(redis_client, stream) == 0
+
+
+async def test_redis_under_the_test_broker_duplicates_run_once(
+    store: PostgresStore, scope: str, pg_pool: asyncpg.Pool, effects: None
+) -> None:
+    """FastStream's in-memory TestRedisBroker (no Redis, nothing pending to count) with the
+    real store: a user's unit test of the subscriber pair."""
+    broker = RedisBroker()
+    idem = Idempotency(store, broker=broker, scope=scope, backoff=(0.01, 0.05))
+    router = RedisRouter(middlewares=[idem])
+    runs: list[str] = []
+
+    @idempotent_stream(router, "payments")
+    async def handle(
+        data: dict[str, Any], conn: IdempotentConnection, current: CurrentIdempotency
+    ) -> None:
+        runs.append(current.key)
+        await write_effect(conn, current, data["n"])
+
+    broker.include_router(router)
+    async with TestRedisBroker(broker) as test:
+        for _ in range(3):
+            await test.publish({"n": 1}, stream="payments", headers={"idempotency-key": "k1"})
+    assert runs == ["k1"]
+    assert await effect_count(pg_pool, scope) == 1
