@@ -487,3 +487,27 @@ async def test_redis_under_the_test_broker_duplicates_run_once(
             await test.publish({"n": 1}, stream="payments", headers={"idempotency-key": "k1"})
     assert runs == ["k1"]
     assert await effect_count(pg_pool, scope) == 1
+
+
+async def test_redis_claiming_subscriber_under_another_scope_is_refused_at_start(
+    redis_url: str, store: PostgresStore, scope: str, stream: str
+) -> None:
+    """An entry committed under the reader's scope, claimed under another, would run again."""
+    broker = RedisBroker(redis_url, logger=None)
+    reading = RedisRouter(middlewares=[Idempotency(store, broker=broker, scope=scope)])
+    claiming = RedisRouter(middlewares=[Idempotency(store, broker=broker, scope=f"{scope}.b")])
+
+    @reading.subscriber(
+        stream=StreamSub(stream, group="workers", consumer="w1"), ack_policy=AckPolicy.MANUAL
+    )
+    @claiming.subscriber(
+        stream=StreamSub(stream, group="workers", consumer="w1", min_idle_time=1000),
+        ack_policy=AckPolicy.MANUAL,
+    )
+    async def handle(data: dict[str, Any]) -> None:
+        raise AssertionError("never runs")
+
+    broker.include_routers(reading, claiming)
+    with pytest.raises(IdempotencyConfigError, match=r"nothing claims .* through a middleware"):
+        await broker.start()
+    await broker.stop()
