@@ -125,16 +125,18 @@ class _Redis:
         if not _claims(stream) and not self._claimer_of(stream):
             raise IdempotencyConfigError(
                 f"nothing claims the entries of stream {stream.name!r} (group {stream.group!r}) "
-                "that stay pending: a retry, or the entries of a consumer that died, would "
-                "never run. Add a claiming subscriber through the same middleware: "
+                f"that stay pending, through a middleware of scope {self.idem.scope!r}: a "
+                "retry, or the entries of a consumer that died, would never run (or run again "
+                "under another scope). Add a claiming subscriber through the same middleware: "
                 f"StreamSub({stream.name!r}, group={stream.group!r}, consumer=..., "
                 "min_idle_time=<ms, longer than a handler runs>)"
             )
         self._checked.add(id(subscriber))
 
     def _claimer_of(self, stream: Any) -> bool:
-        """Does a subscriber of this broker, through an Idempotency middleware, claim the
-        pending entries of ``stream``'s group?"""
+        """Does a subscriber of this broker claim the pending entries of ``stream``'s group
+        through an Idempotency middleware of this scope? (Under another scope, an entry whose
+        effect committed here would find no record there and run again.)"""
         from consumer_idem.faststream.idempotency import Idempotency
 
         for other in getattr(self.broker, "subscribers", ()):
@@ -144,7 +146,10 @@ class _Redis:
                 and sub.name == stream.name
                 and sub.group == stream.group
                 and _claims(sub)
-                and any(isinstance(m, Idempotency) for m in _compat.subscriber_middlewares(other))
+                and any(
+                    isinstance(m, Idempotency) and m.scope == self.idem.scope
+                    for m in _compat.subscriber_middlewares(other)
+                )
             ):
                 return True
         return False
