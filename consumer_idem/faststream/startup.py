@@ -66,8 +66,9 @@ def check_subscribers(broker: Any) -> None:
         if not guards:
             continue
         reason = unsafe_ack_policy(subscriber)
-        if reason is not None:  # said with what else is wrong (a list subscriber...)
+        if reason is not None:
             problems.append(reason)
+            continue
         for idem in guards:
             try:
                 idem.transport.check(subscriber)
