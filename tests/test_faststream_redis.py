@@ -297,7 +297,7 @@ async def _encoded(body: dict[str, Any], headers: dict[str, str]) -> bytes:
 @pytest.mark.parametrize(
     ("subscribe", "refusal"),
     [
-        ({"list": ListSub("LIST")}, r"Redis list subscriber"),  # its default ack policy too
+        ({"list": ListSub("LIST")}, r"Redis list subscriber"),
         ({"channel": "LIST"}, r"Redis pub/sub subscriber"),
         ({"stream": StreamSub("LIST")}, r"without a consumer group"),
         (
@@ -324,7 +324,7 @@ async def test_redis_subscriber_that_cannot_redeliver_is_refused_at_start(
     router = RedisRouter(middlewares=[Idempotency(store, broker=broker, scope=scope)])
     options = {name: _renamed(value, stream) for name, value in subscribe.items()}
     if "stream" in options:
-        options["ack_policy"] = AckPolicy.MANUAL  # (FastStream warns of it on the others)
+        options["ack_policy"] = AckPolicy.MANUAL  # (lists and pub/sub have no other)
 
     @router.subscriber(**options)
     async def handle(data: dict[str, Any]) -> None:
