@@ -67,7 +67,8 @@ async def faststream_redis(
         )
         router = RedisRouter(middlewares=[idem])
     reading = router.subscriber(
-        stream=StreamSub(stream, group=group, consumer="c1"), ack_policy=AckPolicy.MANUAL
+        stream=StreamSub(stream, group=group, consumer="c1", max_records=10),
+        ack_policy=AckPolicy.MANUAL,
     )
     claiming = router.subscriber(
         stream=StreamSub(stream, group=group, consumer="c1", min_idle_time=CLAIM_AFTER_MS),

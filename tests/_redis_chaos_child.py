@@ -37,7 +37,8 @@ async def main(redis_url: str, stream: str, group: str, consumer: str, scope: st
     router = RedisRouter(middlewares=[idem])
 
     @router.subscriber(
-        stream=StreamSub(stream, group=group, consumer=consumer), ack_policy=AckPolicy.MANUAL
+        stream=StreamSub(stream, group=group, consumer=consumer, max_records=10),
+        ack_policy=AckPolicy.MANUAL,
     )
     @router.subscriber(
         stream=StreamSub(stream, group=group, consumer=consumer, min_idle_time=CLAIM_AFTER_MS),

@@ -64,7 +64,7 @@ def idempotent_stream(
 
     def decorate(handler: Any) -> Any:
         reading = router.subscriber(
-            stream=StreamSub(stream, group="workers", consumer="w1"),
+            stream=StreamSub(stream, group="workers", consumer="w1", max_records=10),
             ack_policy=AckPolicy.MANUAL,
         )
         claiming = router.subscriber(

@@ -131,6 +131,14 @@ class _Redis:
                 f"StreamSub({stream.name!r}, group={stream.group!r}, consumer=..., "
                 "min_idle_time=<ms, longer than a handler runs>)"
             )
+        if not _claims(stream) and stream.max_records is None:
+            log.warning(
+                "the stream subscriber of %r reads every new entry at once (max_records "
+                "unset): an entry waiting in hand longer than min_idle_time is claimed again "
+                "(a replay, not a second effect), and XAUTOCLAIM scans a long pending list on "
+                "every poll. Set StreamSub(..., max_records=10) or so",
+                stream.name,
+            )
         self._checked.add(id(subscriber))
 
     def _claimer_of(self, stream: Any) -> bool:

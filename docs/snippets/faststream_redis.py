@@ -40,10 +40,12 @@ router = RedisRouter(
 
 
 # One handler, two subscribers of the consumer group "ledger": the first
-# reads new entries; the second claims (XAUTOCLAIM) entries left pending
-# for 30 s: a retry, or what a consumer that died had in hand.
+# reads new entries, ten at a time; the second claims (XAUTOCLAIM) entries
+# left pending for 30 s: a retry, or what a consumer that died had in hand.
 @router.subscriber(
-    stream=StreamSub(STREAM, group="ledger", consumer="ledger-1"),
+    stream=StreamSub(
+        STREAM, group="ledger", consumer="ledger-1", max_records=10
+    ),
     ack_policy=AckPolicy.MANUAL,
 )
 @router.subscriber(
