@@ -511,3 +511,32 @@ async def test_redis_claiming_subscriber_under_another_scope_is_refused_at_start
     with pytest.raises(IdempotencyConfigError, match=r"nothing claims .* through a middleware"):
         await broker.start()
     await broker.stop()
+
+
+async def test_redis_reading_subscriber_without_max_records_is_warned_about(
+    redis_url: str,
+    store: PostgresStore,
+    scope: str,
+    stream: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Reading every new entry at once makes those at the back wait past ``min_idle_time``."""
+    broker = RedisBroker(redis_url, logger=None)
+    router = RedisRouter(middlewares=[Idempotency(store, broker=broker, scope=scope)])
+
+    @router.subscriber(
+        stream=StreamSub(stream, group="workers", consumer="w1"), ack_policy=AckPolicy.MANUAL
+    )
+    @router.subscriber(
+        stream=StreamSub(stream, group="workers", consumer="w1", min_idle_time=1000),
+        ack_policy=AckPolicy.MANUAL,
+    )
+    async def handle(data: dict[str, Any]) -> None:
+        raise AssertionError("never runs")
+
+    broker.include_router(router)
+    with caplog.at_level("WARNING", logger="consumer_idem.faststream"):
+        await broker.start()
+    await broker.stop()
+    warned = [r.getMessage() for r in caplog.records if "max_records" in r.getMessage()]
+    assert len(warned) == 1 and repr(stream) in warned[0]
