@@ -27,6 +27,7 @@ BENCHMARKS = [
     "outbox",
     "faststream_nats",
     "faststream_confluent",
+    "faststream_redis",
 ]
 
 

@@ -277,7 +277,7 @@ async def test_ack_first_is_refused_before_the_handler_runs(
 
 
 async def test_a_broker_of_another_kind_is_refused(store: PostgresStore, scope: str) -> None:
-    with pytest.raises(IdempotencyConfigError, match="KafkaBroker, RabbitBroker or NatsBroker"):
+    with pytest.raises(IdempotencyConfigError, match="NatsBroker or RedisBroker"):
         Idempotency(store, broker=object(), scope=scope)
 
 

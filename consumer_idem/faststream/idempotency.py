@@ -34,6 +34,7 @@ from consumer_idem.faststream.kafka_side import _Kafka
 from consumer_idem.faststream.middleware import _Middleware
 from consumer_idem.faststream.nats_side import _Nats
 from consumer_idem.faststream.rabbit_side import _Rabbit
+from consumer_idem.faststream.redis_side import _Redis
 from consumer_idem.faststream.relay import OutboxRelayTask, faststream_route
 from consumer_idem.faststream.results import _ACK_ONLY, _store_form
 from consumer_idem.faststream.settler import _Settler, _Transport
@@ -60,8 +61,9 @@ class Idempotency:
 
     ``store``: a [`PostgresStore`][consumer_idem.PostgresStore], or a callable returning it (for
     apps that open their
-    pool on startup). ``broker``: the ``KafkaBroker``, ``RabbitBroker`` or ``NatsBroker``
-    (JetStream subscribers only, see `consumer_idem.faststream.nats_side`) the subscribers
+    pool on startup). ``broker``: the ``KafkaBroker``, ``RabbitBroker``, ``NatsBroker``
+    (JetStream subscribers only, see `consumer_idem.faststream.nats_side`) or ``RedisBroker``
+    (stream consumer groups only, see `consumer_idem.faststream.redis_side`) the subscribers
     belong to; dead letters, reconciliation notices and re-dispatches are published through it.
     The other arguments are those of
     [`consumer_idem.idempotent_consumer`][consumer_idem.idempotent_consumer], plus:
@@ -74,7 +76,8 @@ class Idempotency:
       only the key's own runs count, not the broker's returns, and a key whose record says it
       completed is acked, never dead-lettered (`consumer_idem.faststream.budget`); (NATS) a
       message whose handler fails on its ``max_deliveries``-th JetStream delivery is
-      dead-lettered (a wait for the store never is);
+      dead-lettered (a wait for the store never is); (Redis) likewise on the entry's
+      ``max_deliveries``-th delivery, counted in the group's pending-entries list;
     * ``declare`` (RabbitMQ): declare the dead-letter and notice queues (durable, quorum);
     * ``max_hold`` (RabbitMQ): how long a delivery waiting for the store or for another owner
       stays in hand before it is handed back as a copy (keep it under ``consumer_timeout``);
@@ -147,11 +150,12 @@ class Idempotency:
         return IdempotentConsumer(self._handle, store=store, options=self.options)
 
     def _transport_for(self, broker: Any) -> _Transport:
-        kinds: list[tuple[str, str, type[_Kafka] | type[_Rabbit] | type[_Nats]]] = [
+        kinds: list[tuple[str, str, type[_Kafka] | type[_Rabbit] | type[_Nats] | type[_Redis]]] = [
             ("faststream.kafka", "KafkaBroker", _Kafka),
             ("faststream.confluent", "KafkaBroker", _Confluent),
             ("faststream.rabbit", "RabbitBroker", _Rabbit),
             ("faststream.nats", "NatsBroker", _Nats),
+            ("faststream.redis", "RedisBroker", _Redis),
         ]
         for module, name, transport in kinds:
             try:
@@ -161,7 +165,7 @@ class Idempotency:
             if isinstance(broker, broker_type):
                 return transport(self, broker)
         raise IdempotencyConfigError(
-            "broker must be a FastStream KafkaBroker, RabbitBroker or NatsBroker, not "
+            "broker must be a FastStream KafkaBroker, RabbitBroker, NatsBroker or RedisBroker, not "
             f"{type(broker).__name__}"
         )
 
@@ -254,7 +258,7 @@ class Idempotency:
         if isinstance(transport, _Kafka):
             await transport.publish(message.destination, message.body, message.key, message.headers)
             return
-        if isinstance(transport, _Nats):
+        if isinstance(transport, _Nats | _Redis):
             headers = {k: v.decode("utf-8", "backslashreplace") for k, v in message.headers}
             await transport.publish(message.destination, message.body, headers)
             return
@@ -274,4 +278,6 @@ class Idempotency:
 def _route_transport(transport: _Transport) -> str:
     if isinstance(transport, _Kafka):
         return "kafka"
+    if isinstance(transport, _Redis):
+        return "redis"
     return "nats" if isinstance(transport, _Nats) else "amqp"

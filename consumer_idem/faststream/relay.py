@@ -38,11 +38,12 @@ BROKER_WATCH = 0.5
 
 def faststream_route(broker: Any, transport: str) -> str:
     """The route of a FastStream broker's outbox messages (``transport``: ``kafka``,
-    ``amqp`` or ``nats``) and its cluster, as the broker states it in its specification: the
-    servers, or the AMQP URL without its credentials (the ones an app names with
-    ``specification_url`` where it gives them). A runner on the same cluster has the same."""
+    ``amqp``, ``nats`` or ``redis``) and its cluster, as the broker states it in its
+    specification: the servers, or the AMQP URL without its credentials (the ones an app
+    names with ``specification_url`` where it gives them). A runner on the same cluster has
+    the same."""
     urls = [str(u) for u in getattr(getattr(broker, "specification", None), "url", None) or []]
-    if transport in ("kafka", "nats"):  # a list of servers, spelled one way
+    if transport in ("kafka", "nats", "redis"):  # a list of servers, spelled one way
         return broker_route(transport, kafka_where(urls))
     return broker_route(transport, amqp_where(urls[0] if urls else None))
 

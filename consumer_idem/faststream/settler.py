@@ -19,6 +19,7 @@ from consumer_idem.faststream.batch import (
     IdempotencyBatchContext as IdempotencyBatchContext,
 )
 from consumer_idem.faststream.nats_side import _Nats
+from consumer_idem.faststream.redis_side import _Redis
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import Notice
 from consumer_idem.transports import settle
@@ -93,7 +94,8 @@ class _Settler(batch.SubscriberSide):
         await self.transport.ack(message)
 
     async def retry_later(self, message: StreamMessage[Any], verdict: Verdict) -> None:
-        if isinstance(self.transport, _Nats):  # a delayed nak, or its delivery budget is spent
+        # a delayed nak (NATS) or an entry left pending (Redis), or its delivery budget is spent
+        if isinstance(self.transport, _Nats | _Redis):
             await self.transport.retry_later(self, message, verdict)
             return
         if self.idem.budget is not None:

@@ -1,0 +1,60 @@
+"""A FastStream Redis stream consumer process for the SIGKILL test of
+``tests/test_faststream_redis.py``: one reading subscriber and one claiming subscriber
+(``XAUTOCLAIM``) of a consumer group, through the Idempotency middleware.
+
+    python -m tests._redis_chaos_child <redis_url> <stream> <group> <consumer> <scope>
+
+Prints ``{"event": "started"}`` once the broker reads; runs until killed. The DSN comes from
+``CONSUMER_IDEM_PG_DSN``; each message's effect goes to ``fs_effects`` in its transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from typing import Any
+
+import asyncpg
+from faststream import AckPolicy
+from faststream.redis import RedisBroker, RedisRouter, StreamSub
+
+from consumer_idem import PostgresStore
+from consumer_idem.faststream import CurrentIdempotency, Idempotency, IdempotentConnection
+from tests._faststream import write_effect
+
+#: how long an entry stays pending before the claiming subscriber takes it (ms)
+CLAIM_AFTER_MS = 800
+
+
+async def main(redis_url: str, stream: str, group: str, consumer: str, scope: str) -> None:
+    pool = await asyncpg.create_pool(os.environ["CONSUMER_IDEM_PG_DSN"], min_size=1)
+    assert pool is not None
+    store = PostgresStore(pool)
+    broker = RedisBroker(redis_url, logger=None)
+    idem = Idempotency(store, broker=broker, scope=scope, backoff=(0.05, 0.2))
+    router = RedisRouter(middlewares=[idem])
+
+    @router.subscriber(
+        stream=StreamSub(stream, group=group, consumer=consumer, max_records=10),
+        ack_policy=AckPolicy.MANUAL,
+    )
+    @router.subscriber(
+        stream=StreamSub(stream, group=group, consumer=consumer, min_idle_time=CLAIM_AFTER_MS),
+        ack_policy=AckPolicy.MANUAL,
+    )
+    async def handle(
+        data: dict[str, Any], conn: IdempotentConnection, current: CurrentIdempotency
+    ) -> None:
+        await write_effect(conn, current, data["n"])
+        await asyncio.sleep(0.005)  # a kill often lands inside the transaction
+
+    broker.include_router(router)
+    await broker.start()
+    print(json.dumps({"event": "started"}), flush=True)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(*sys.argv[1:6]))
