@@ -172,7 +172,7 @@ def _decoded(fields: dict[bytes, bytes]) -> tuple[dict[str, Any], bytes]:
     return headers, body
 
 
-async def test_redis_postgres_outage_holds_entries_pending_then_resumes(
+async def test_redis_postgres_outage_holds_entries_pending_and_spends_no_delivery(
     redis_url: str,
     redis_client: aioredis.Redis,
     pg_dsn: str,
@@ -190,11 +190,15 @@ async def test_redis_postgres_outage_holds_entries_pending_then_resumes(
         outage.down, broker=broker, scope=scope, backoff=(0.05, 0.2), max_deliveries=2
     )
     router = RedisRouter(middlewares=[idem])
+    runs: list[int] = []
 
     @idempotent_stream(router, stream)
     async def handle(
         data: dict[str, Any], conn: IdempotentConnection, current: CurrentIdempotency
     ) -> None:
+        runs.append(data["n"])
+        if len(runs) == 1:  # the first real run fails once: one of its two deliveries spent
+            raise ConnectionError("the gateway hiccups once")
         await write_effect(conn, current, data["n"])
 
     broker.include_router(router)
@@ -212,7 +216,8 @@ async def test_redis_postgres_outage_holds_entries_pending_then_resumes(
         await wait_until(ran, 15, "the entry to run once the store is back")
     finally:
         await broker.stop()
-    assert idem.stats.dead_lettered == 0 and idem.stats.executed == 1
+    # the deliveries that waited for the store spent nothing: one failure, then the effect
+    assert runs == [1, 1] and idem.stats.dead_lettered == 0 and idem.stats.executed == 1
     assert await effect_count(pg_pool, scope) == 1
     assert await pending(redis_client, stream) == 0
     assert not await redis_client.exists(f"{stream}.dlq")

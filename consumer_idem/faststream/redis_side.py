@@ -31,15 +31,15 @@ chose: an ``idempotency-key`` header, a CloudEvents id, or the ``message_id`` he
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
 from faststream import StreamMessage
 
-from consumer_idem.consumer import Action, Verdict
+from consumer_idem.consumer import Verdict
 from consumer_idem.errors import IdempotencyConfigError
 from consumer_idem.faststream import _compat
+from consumer_idem.faststream.delivery_limit import exhausted
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import KEY_HEADER, ORIGINAL_QUEUE, SCOPE_HEADER, Notice
 from consumer_idem.transports import settle
@@ -63,7 +63,6 @@ DEAD_LETTER_DELIVERIES = "x-dead-letter-deliveries"
 #: the id of the original stream entry of a dead letter
 DEAD_LETTER_ENTRY = "x-original-entry-id"
 #: why a message whose handler kept failing was dead-lettered
-MAX_DELIVERIES_EXCEEDED = "max_deliveries_exceeded"
 
 
 class _Redis:
@@ -191,20 +190,13 @@ class _Redis:
         limit = self.idem.max_deliveries
         if limit is not None and not settle.is_wait(verdict):
             try:
-                spent = await message.get_delivery_count()  # type: ignore[attr-defined]
+                delivered = await message.get_delivery_count()  # type: ignore[attr-defined]
             except Exception as exc:  # Redis unreachable: the entry stays pending anyway
                 log.warning("could not read the delivery count: %r", exc)
-                spent = 0
-            if spent >= limit:
-                failure = verdict.error or (verdict.outcome and verdict.outcome.error)
-                last = f"{verdict.reason}: {failure!r}" if failure else verdict.reason
-                exhausted = dataclasses.replace(
-                    verdict,
-                    action=Action.DEAD_LETTER,
-                    reason=MAX_DELIVERIES_EXCEEDED,
-                    error=f"delivered {spent} times, last failure: {last}",
-                )
-                await settle.settle(settler, message, exhausted)
+                delivered = 0
+            dead = exhausted(delivered, verdict, limit)
+            if dead is not None:
+                await settle.settle(settler, message, dead)
                 return
         log.info("left pending for the claiming subscriber (%s)", verdict.reason)
         await message.nack()
