@@ -92,7 +92,17 @@ class _Nats:
                 "(ack_policy=AckPolicy.ACK_FIRST), before the handler runs, so a failure or "
                 "crash would lose it: subscribe with ack_policy=AckPolicy.MANUAL"
             )
-        config = getattr(subscriber, "config", None)
+        if _compat.nats_ordered_consumer(subscriber):
+            raise IdempotencyConfigError(
+                "an ordered JetStream consumer (ordered_consumer=True) acks nothing and "
+                "redelivers nothing (ack policy 'none'), so a failure or crash would lose the "
+                "message: subscribe with a durable consumer and explicit acks"
+            )
+        self.check_config(getattr(subscriber, "config", None))
+
+    def check_config(self, config: Any) -> None:
+        """A consumer config (the subscriber's own, or the one the server holds) with explicit
+        acks and redelivering at least ``max_deliveries`` times."""
         ack_policy = getattr(config, "ack_policy", None)
         if ack_policy is not None and str(getattr(ack_policy, "value", ack_policy)) != "explicit":
             raise IdempotencyConfigError(
@@ -108,6 +118,30 @@ class _Nats:
                 f"before the middleware's max_deliveries={limit} dead-letters it, so the server "
                 "would drop the message silently: leave max_deliver unset (-1) or raise it"
             )
+
+    async def check_server(self, subscriber: Any) -> None:
+        """The durable consumer the server already holds, if any: nats-py binds to it as it
+        is (an operator's edit, an earlier deploy's settings), not to the subscriber's config,
+        so the same checks apply to the server's copy before anything is fetched."""
+        from nats.js import JetStreamContext  # type: ignore[import-not-found, unused-ignore]
+        from nats.js.errors import NotFoundError  # type: ignore[import-not-found, unused-ignore]
+
+        stream = getattr(getattr(subscriber, "stream", None), "name", None)
+        durable = getattr(getattr(subscriber, "config", None), "durable_name", None)
+        jetstream = getattr(subscriber, "jetstream", None)
+        if not stream or not durable or not isinstance(jetstream, JetStreamContext):
+            return  # an ephemeral consumer is created from the checked config
+        try:
+            info = await jetstream.consumer_info(stream, durable)
+        except NotFoundError:
+            return  # created from the subscriber's checked config
+        try:
+            self.check_config(info.config)
+        except IdempotencyConfigError as exc:
+            raise IdempotencyConfigError(
+                f"the durable consumer {durable!r} on stream {stream!r} already exists on the "
+                f"server with other settings: {exc}"
+            ) from None
 
     def source(self, message: StreamMessage[Any], subscriber: Any) -> str:
         return str(message.raw_message.subject)
