@@ -22,7 +22,7 @@ from consumer_idem.faststream.batch import (
 from consumer_idem.faststream.batch import (
     IdempotencyBatchContext as IdempotencyBatchContext,
 )
-from consumer_idem.faststream.budget import RabbitBudget
+from consumer_idem.faststream.budget import BrokerBudget, RabbitBudget
 from consumer_idem.faststream.confluent_side import _Confluent
 from consumer_idem.faststream.context import (
     _CURRENT,
@@ -137,8 +137,13 @@ class Idempotency:
         self.route = faststream_route(broker, _route_transport(self.transport))
         #: the relay of what a crash or an outage left in the outbox (see .relay)
         self.outbox_relay = OutboxRelayTask(self, outbox_relay, app)
-        #: RabbitMQ's delivery budget, counted per key in Postgres
-        self.budget = RabbitBudget(self) if isinstance(self.transport, _Rabbit) else None
+        #: the delivery budget (RabbitMQ, NATS: brokers that count redeliveries), counted per
+        #: key in Postgres; None on Kafka (no per-record redelivery counter)
+        self.budget: BrokerBudget | None = None
+        if isinstance(self.transport, _Rabbit):
+            self.budget = RabbitBudget(self)
+        elif isinstance(self.transport, _Nats):
+            self.budget = BrokerBudget(self, self.transport.delivered_before)
         self._batch_consumer: IdempotentConsumer | None = None
         startup.guard_start(self, broker)  # unsafe subscribers refused before any fetch
 

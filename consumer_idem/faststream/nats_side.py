@@ -11,7 +11,10 @@ dead letters and reconciliation notices are published through JetStream and conf
 message waits on the server, not in hand. JetStream counts deliveries (``num_delivered``):
 after ``max_deliveries`` a message whose handler keeps failing is dead-lettered; a message
 waiting for the store (an outage) or for another owner is never dead-lettered for its count,
-nor are those deliveries counted against its handler's later failures.
+nor are those deliveries counted against its handler's later failures. A message JetStream
+delivered before runs under the delivery budget (`consumer_idem.faststream.budget`): alone in its
+process, one attempt counted in Postgres ahead of the handler, so a message that kills the
+process is dead-lettered too.
 """
 
 from __future__ import annotations
@@ -75,6 +78,10 @@ class _Nats:
             content_type=headers.get("content-type"),
             raw=raw,
         )
+
+    def delivered_before(self, message: StreamMessage[Any]) -> bool:
+        """Did JetStream deliver ``message`` before (the delivery budget's suspect)?"""
+        return bool(_metadata(message.raw_message).num_delivered > 1)
 
     def check(self, subscriber: Any) -> None:
         """A JetStream subscriber (push, pull or batch pull) with explicit acks, whose

@@ -94,6 +94,8 @@ class _Settler(batch.SubscriberSide):
 
     async def retry_later(self, message: StreamMessage[Any], verdict: Verdict) -> None:
         if isinstance(self.transport, _Nats):  # a delayed nak, or its delivery budget is spent
+            if self.idem.budget is not None:
+                await self.idem.budget.failed(message, verdict)
             await self.transport.retry_later(self, message, verdict)
             return
         if self.idem.budget is not None:
