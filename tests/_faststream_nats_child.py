@@ -2,7 +2,7 @@
 ``tests/test_faststream_nats_chaos.py``, SIGKILLing itself at one step of its ``kill_at``-th
 message.
 
-    python -m tests._faststream_nats_child <subject> <scope> <step> <kill_at>
+    python -m tests._faststream_nats_child <subject> <scope> <step> <kill_at> [max_deliveries]
 
 Steps: ``handler`` (the effect written, not committed), ``committed`` (Postgres committed, the
 JetStream ack not sent), ``acked`` (acked too); ``none`` never kills. Prints
@@ -59,13 +59,19 @@ def install(killer: Killer) -> None:
     _Nats.ack = ack  # type: ignore[method-assign]
 
 
-async def main(subject: str, scope: str, step: str, kill_at: int) -> None:
+async def main(subject: str, scope: str, step: str, kill_at: int, max_deliveries: int = 20) -> None:
     killer = Killer(step, kill_at)
     install(killer)
     pool = await asyncpg.create_pool(os.environ["CONSUMER_IDEM_PG_DSN"], min_size=1, max_size=8)
     assert pool is not None
     broker = NatsBroker(load_settings().nats_url, logger=None)
-    idem = Idempotency(PostgresStore(pool), broker=broker, scope=scope, backoff=(0.05, 0.5))
+    idem = Idempotency(
+        PostgresStore(pool),
+        broker=broker,
+        scope=scope,
+        backoff=(0.05, 0.5),
+        max_deliveries=max_deliveries,
+    )
     router = NatsRouter(middlewares=[idem])
 
     @router.subscriber(
@@ -100,5 +106,5 @@ async def main(subject: str, scope: str, step: str, kill_at: int) -> None:
 
 
 if __name__ == "__main__":
-    subject, scope, step, kill_at = sys.argv[1:]
-    asyncio.run(main(subject, scope, step, int(kill_at)))
+    subject, scope, step, kill_at, *limit = sys.argv[1:]
+    asyncio.run(main(subject, scope, step, int(kill_at), *(int(n) for n in limit)))

@@ -220,9 +220,21 @@ async def test_confluent_postgres_outage_holds_offsets_uncommitted_then_resumes(
         ({}, {}, r"AckPolicy\.ACK_FIRST"),  # FastStream's default: it auto-commits
         ({"ack_policy": AckPolicy.ACK}, {}, r"AckPolicy\.ACK\b"),
         ({"ack_policy": AckPolicy.MANUAL}, {"enable.auto.commit": True}, r"enable\.auto\.commit"),
+        # librdkafka reads booleans case-insensitively and takes "t": all but plain "off" refused
+        ({"ack_policy": AckPolicy.MANUAL}, {"enable.auto.commit": "TRUE"}, r"enable\.auto\.commit"),
+        ({"ack_policy": AckPolicy.MANUAL}, {"enable.auto.commit": "t"}, r"enable\.auto\.commit"),
+        ({"ack_policy": AckPolicy.MANUAL}, {"enable.auto.commit": "yes"}, r"enable\.auto\.commit"),
         ({"ack_policy": AckPolicy.ACK_FIRST, "max_workers": 2}, {}, r"AckPolicy\.ACK_FIRST"),
     ],
-    ids=["default", "ack", "auto_commit_in_config", "concurrent"],
+    ids=[
+        "default",
+        "ack",
+        "auto_commit_in_config",
+        "auto_commit_upper_case",
+        "auto_commit_t",
+        "auto_commit_unknown_spelling",
+        "concurrent",
+    ],
 )
 async def test_confluent_subscriber_committing_before_the_middleware_is_refused_at_start(
     settings: Settings,
@@ -350,3 +362,10 @@ async def test_confluent_consumer_sigkilled_mid_run_loses_and_doubles_nothing(
         final.send_signal(signal.SIGTERM)
         await asyncio.wait_for(final.communicate(), timeout=30)
     assert await effects_by_key(pg_pool, scope) == Counter({f"k{i}": 1 for i in range(total)})
+
+
+@pytest.mark.parametrize("value", [False, 0, "false", "FALSE", "f", "F", "0"])
+def test_confluent_auto_commit_spelled_off_is_accepted(value: object) -> None:
+    from consumer_idem.faststream.confluent_side import plainly_off
+
+    assert plainly_off(value)

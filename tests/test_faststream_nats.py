@@ -233,8 +233,12 @@ async def test_nats_core_subscriber_is_refused_at_start(
             {"ack_policy": AckPolicy.MANUAL, "config": ConsumerConfig(max_deliver=5)},
             r"max_deliver=5",
         ),
+        (
+            {"ack_policy": AckPolicy.MANUAL, "ordered_consumer": True},
+            r"ordered JetStream consumer",
+        ),
     ],
-    ids=["default", "ack_first", "ack_all", "max_deliver_under_budget"],
+    ids=["default", "ack_first", "ack_all", "max_deliver_under_budget", "ordered_consumer"],
 )
 async def test_nats_subscriber_settling_before_the_middleware_is_refused_at_start(
     nats_url: str,
@@ -255,6 +259,77 @@ async def test_nats_subscriber_settling_before_the_middleware_is_refused_at_star
     with pytest.raises(IdempotencyConfigError, match=refusal):
         await broker.start()
     await broker.stop()
+
+
+@pytest.mark.parametrize(
+    ("server_config", "refusal"),
+    [
+        ({"max_deliver": 2}, r"already exists on the server.*max_deliver=2"),
+        ({"ack_policy": api.AckPolicy.ALL}, r"already exists on the server.*ack_policy=all"),
+    ],
+    ids=["max_deliver_under_budget", "ack_all"],
+)
+async def test_nats_durable_consumer_on_the_server_losing_messages_is_refused_at_start(
+    nats_url: str,
+    store: PostgresStore,
+    scope: str,
+    subject: str,
+    server_config: dict[str, Any],
+    refusal: str,
+) -> None:
+    # an earlier deploy (or an operator's edit) left the durable consumer with other
+    # settings: nats-py binds to it as it is, whatever the subscriber's own config says
+    broker = NatsBroker(nats_url)
+    idem = Idempotency(store, broker=broker, scope=scope, max_deliveries=4)
+    router = NatsRouter(middlewares=[idem])
+    runs: list[int] = []
+
+    @router.subscriber(
+        subject, stream=stream_of(subject), durable="worker", ack_policy=AckPolicy.MANUAL
+    )
+    async def handle(data: dict[str, Any]) -> None:
+        runs.append(data["n"])
+
+    broker.include_router(router)
+    client = await nats.connect(nats_url)
+    try:
+        jetstream = client.jetstream()
+        await jetstream.add_stream(name=subject, subjects=list(stream_of(subject).subjects))
+        await jetstream.add_consumer(
+            subject,
+            api.ConsumerConfig(
+                durable_name="worker", deliver_subject=unique("deliver"), **server_config
+            ),
+        )
+        await jetstream.publish(subject, b'{"n": 1}')
+        with pytest.raises(IdempotencyConfigError, match=refusal):
+            await broker.start()
+        await broker.stop()
+    finally:
+        await client.close()
+    assert runs == []  # refused before anything was fetched
+
+
+async def test_nats_subscriber_added_after_start_is_refused_before_it_consumes(
+    nats_url: str, store: PostgresStore, scope: str
+) -> None:
+    broker = NatsBroker(nats_url)
+    router = NatsRouter(middlewares=[Idempotency(store, broker=broker, scope=scope)])
+    broker.include_router(router)
+    await broker.start()
+    try:
+        # a runtime subscriber: core NATS, nothing redelivers what it loses
+        late = router.subscriber(unique("core"), ack_policy=AckPolicy.MANUAL)
+
+        @late
+        async def handle(data: dict[str, Any]) -> None:
+            raise AssertionError("never runs")
+
+        with pytest.raises(IdempotencyConfigError, match="core NATS subscriber"):
+            await late.start()
+        assert late.subscription is None  # never subscribed
+    finally:
+        await broker.stop()
 
 
 async def test_nats_outbox_publishes_through_jetstream_once_per_committed_run(

@@ -119,3 +119,42 @@ async def test_nats_consumer_sigkilled_mid_run_loses_and_doubles_nothing(
     finally:
         await client.close()
     assert await effects_by_key(pg_pool, scope) == Counter({f"k{i}": 1 for i in range(KEYS)})
+
+
+async def test_nats_message_killing_the_consumer_is_dead_lettered_after_max_deliveries(
+    nats_url: str,
+    pg_dsn: str,
+    store: PostgresStore,  # migrated
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    effects: None,
+    children: list[asyncio.subprocess.Process],
+) -> None:
+    # each child SIGKILLs itself in the handler of its first message, before the commit: only
+    # the delivery budget (the redeliveries, counted in Postgres ahead of the handler) stops
+    # the crash loop
+    subject = unique("fsnp")
+    client = await nats.connect(nats_url)
+    kills = 0
+    try:
+        js = client.jetstream()
+        await js.add_stream(api.StreamConfig(name=subject, subjects=[subject, f"{subject}.dlq"]))
+        for _ in range(4):  # max_deliveries=2: 3 crashed runs, then the dead letter
+            proc = await start_child(children, pg_dsn, subject, scope, "handler", "1", "2")
+            if kills == 0:
+                await js.publish(subject, b'{"n": 1}', headers={"idempotency-key": "poison"})
+            try:
+                await asyncio.wait_for(proc.wait(), timeout=8)  # > ack_wait: redelivered
+            except TimeoutError:
+                break  # it ran nothing: dead-lettered
+            assert proc.returncode == -signal.SIGKILL
+            kills += 1
+        dead = await js.get_last_msg(subject, f"{subject}.dlq")
+        assert dead.headers is not None
+        assert dead.headers["x-dead-letter-reason"] == "max_deliveries"
+        assert dead.headers["x-dead-letter-key"] == "poison"
+        assert kills == 3  # the first run (uncounted) and max_deliveries counted runs
+        assert (await effects_by_key(pg_pool, scope)).total() == 0
+    finally:
+        await js.delete_stream(subject)
+        await client.close()

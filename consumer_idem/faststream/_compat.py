@@ -137,3 +137,44 @@ async def confluent_commit(consumer: Any, offsets: list[Any], wait: bool = True)
     await asyncio.get_running_loop().run_in_executor(
         pool, functools.partial(client.commit, offsets=offsets, asynchronous=not wait)
     )
+
+
+def nats_ordered_consumer(subscriber: Any) -> bool:
+    """Is the NATS JetStream push ``subscriber`` an ordered consumer (``ordered_consumer=True``:
+    nats-py creates it with ``AckPolicy.NONE``, so nothing is ever redelivered)? FastStream
+    keeps the flag in the subscriber's internal ``extra_options``. Checked: 0.7.8."""
+    options = getattr(subscriber, "extra_options", None) or {}
+    return bool(options.get("ordered_consumer"))
+
+
+#: the hooks run before each FastStream subscriber starts (see `on_subscriber_start`)
+_START_HOOKS: list[Callable[[Any], Awaitable[None]]] = []
+
+
+def on_subscriber_start(hook: Callable[[Any], Awaitable[None]]) -> None:
+    """Run ``hook(subscriber)`` before each FastStream subscriber starts consuming, whether the
+    broker starts it or the application starts it later (a runtime subscriber); an exception
+    from the hook stops that start. FastStream has no public per-subscriber start hook: every
+    subscriber's ``start`` (Kafka, Confluent, RabbitMQ, NATS, Redis) awaits the base
+    ``SubscriberUsecase.start`` before it subscribes or fetches, so the hook wraps that one
+    method, once per process (a subscriber with no hook's concern returns at once). Checked:
+    0.7.8."""
+    from faststream._internal.endpoint.subscriber.usecase import SubscriberUsecase
+
+    if hook not in _START_HOOKS:
+        _START_HOOKS.append(hook)
+    if getattr(SubscriberUsecase.start, _HOOKED, False):
+        return
+    original = SubscriberUsecase.start
+
+    @functools.wraps(original)
+    async def start(self: Any) -> None:
+        for each in tuple(_START_HOOKS):
+            await each(self)
+        await original(self)
+
+    setattr(start, _HOOKED, True)
+    SubscriberUsecase.start = start  # type: ignore[method-assign]
+
+
+_HOOKED = "_consumer_idem_start_hooks"

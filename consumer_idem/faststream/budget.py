@@ -1,4 +1,8 @@
-"""Delivery budgets (``max_deliveries``) of FastStream's RabbitMQ subscribers.
+"""Delivery budgets (``max_deliveries``) of FastStream's subscribers whose broker counts
+redeliveries: RabbitMQ (its ``redelivered`` flag) and NATS JetStream (``num_delivered > 1``).
+A transport plugs in with one question, ``delivered_before(message)``: did the broker deliver
+this message before (it may be what killed the last consumer)? Kafka has no per-record
+redelivery counter, so no budget: a record that kills the process is retried until fixed.
 
 The same rule as [`RabbitRunner`][consumer_idem.transports.rabbit.RabbitRunner]'s
 (`consumer_idem.transports.delivery_budget`): the broker's ``x-delivery-count`` only says
@@ -28,18 +32,23 @@ if TYPE_CHECKING:
     from consumer_idem.faststream import Idempotency
 
 
-def _delivered_before(message: StreamMessage[Any]) -> bool:
+#: whether the broker delivered a message before (a suspect: it runs alone, counted ahead)
+DeliveredBefore = Callable[["StreamMessage[Any]"], bool]
+
+
+def rabbit_delivered_before(message: StreamMessage[Any]) -> bool:
     from consumer_idem.transports.rabbit import redelivered_before
 
     return redelivered_before(message.raw_message)
 
 
-class RabbitBudget:
-    """The delivery budget of one [`Idempotency`][consumer_idem.faststream.Idempotency] on a
-    ``RabbitBroker`` (its scope's keys)."""
+class BrokerBudget:
+    """The delivery budget of one [`Idempotency`][consumer_idem.faststream.Idempotency] (its
+    scope's keys) on a broker that says which deliveries it delivered before."""
 
-    def __init__(self, idem: Idempotency) -> None:
+    def __init__(self, idem: Idempotency, delivered_before: DeliveredBefore) -> None:
         self.idem = idem
+        self.delivered_before = delivered_before
         self._budget: DeliveryBudget | None = None
 
     @property
@@ -48,6 +57,35 @@ class RabbitBudget:
         if self._budget is None:
             self._budget = DeliveryBudget(self.idem.consumer, self.idem.max_deliveries)
         return self._budget
+
+    def processing(
+        self,
+        message: StreamMessage[Any],
+        view: Callable[[], ConsumerMessage],
+        execute: Execute,
+        fresh: Callable[[], Awaitable[Verdict]],
+    ) -> Callable[[], Awaitable[Verdict]]:
+        """How ``message`` is processed: a first delivery by ``fresh``, beside others but never
+        beside a suspect; a delivery the broker delivered before runs counted, alone in its
+        process (``view`` gives a fresh view of it per try, ``execute`` runs it once counted)."""
+        if not self.delivered_before(message):
+            return self.budget.fresh(fresh)
+        return self.budget.suspect(view, execute)
+
+    async def failed(self, message: StreamMessage[Any], verdict: Verdict) -> None:
+        """A delivery is handed back for a retry: a first delivery's failed run counts now (a
+        redelivered one counted itself ahead; a wait for the store or another owner is no
+        run)."""
+        if settle.is_wait(verdict) or self.delivered_before(message):
+            return
+        await self.budget.failed(verdict)
+
+
+class RabbitBudget(BrokerBudget):
+    """The delivery budget on a ``RabbitBroker`` (its ``redelivered`` flag)."""
+
+    def __init__(self, idem: Idempotency) -> None:
+        super().__init__(idem, rabbit_delivered_before)
 
     def check_queue(self, subscriber: Any) -> None:
         """Refuse a subscriber whose queue is declared with an ``x-delivery-limit`` below the
@@ -63,25 +101,3 @@ class RabbitBudget:
             check_arguments(arguments, self.idem.max_deliveries, str(getattr(queue, "name", "")))
         except ConfigurationError as exc:
             raise IdempotencyConfigError(str(exc)) from exc
-
-    def processing(
-        self,
-        message: StreamMessage[Any],
-        view: Callable[[], ConsumerMessage],
-        execute: Execute,
-        fresh: Callable[[], Awaitable[Verdict]],
-    ) -> Callable[[], Awaitable[Verdict]]:
-        """How ``message`` is processed: a first delivery by ``fresh``, beside others but never
-        beside a suspect; a delivery the broker delivered before runs counted, alone in its
-        process (``view`` gives a fresh view of it per try, ``execute`` runs it once counted)."""
-        if not _delivered_before(message):
-            return self.budget.fresh(fresh)
-        return self.budget.suspect(view, execute)
-
-    async def failed(self, message: StreamMessage[Any], verdict: Verdict) -> None:
-        """A delivery is handed back for a retry: a first delivery's failed run counts now (a
-        redelivered one counted itself ahead; a wait for the store or another owner is no
-        run)."""
-        if settle.is_wait(verdict) or _delivered_before(message):
-            return
-        await self.budget.failed(verdict)

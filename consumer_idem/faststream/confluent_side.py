@@ -25,8 +25,9 @@ from consumer_idem.message import ConsumerMessage
 
 log = logging.getLogger("consumer_idem.faststream")
 
-#: librdkafka's values for "on" (FastStream passes the broker's ``config=`` through as given)
-_TRUE = (True, 1, "true", "True", "1")
+#: librdkafka's spellings of "off" (it reads booleans case-insensitively; FastStream passes the
+#: broker's ``config=`` through as given): any other value may turn auto-commit on, so is refused
+_FALSE = ("false", "f", "0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,12 +100,16 @@ class _Confluent(_Kafka):
         # (max_workers > 1 needs AckPolicy.ACK_FIRST here: FastStream refuses it with manual
         # commits, and startup refuses every policy but MANUAL)
         consumer_config = _compat.confluent_connection(self.broker).consumer_config
-        if consumer_config.get("enable.auto.commit") in _TRUE:
+        if "enable.auto.commit" in consumer_config and not plainly_off(
+            consumer_config["enable.auto.commit"]
+        ):
+            value = consumer_config["enable.auto.commit"]
             raise IdempotencyConfigError(
-                "the KafkaBroker's config sets enable.auto.commit: librdkafka would commit "
-                "each fetched record's offset in the background, before the handler ran or "
-                "its transaction committed, so a failure or crash would lose messages. Remove "
-                "it (ack_policy=AckPolicy.MANUAL turns auto-commit off)"
+                f"the KafkaBroker's config sets enable.auto.commit={value!r}, not plainly off "
+                "(False, 0, 'false', 'f', '0'): librdkafka would commit each fetched record's "
+                "offset in the background, before the handler ran or its transaction "
+                "committed, so a failure or crash would lose messages. Remove it "
+                "(ack_policy=AckPolicy.MANUAL turns auto-commit off)"
             )
 
     def permanent(self, exc: BaseException) -> bool:
@@ -123,6 +128,14 @@ class _Confluent(_Kafka):
 
     async def _seek_one(self, consumer: Any, tp: tuple[str, int], offset: int) -> None:
         await consumer.seek(topic=tp[0], partition=tp[1], offset=offset)
+
+
+def plainly_off(value: Any) -> bool:
+    """Whether a librdkafka boolean setting is surely off: ``False``, ``0`` or a string
+    librdkafka reads as false; anything else (``"TRUE"``, ``"t"``, a typo) is not."""
+    if isinstance(value, bool | int):
+        return value is False or (type(value) is int and value == 0)
+    return isinstance(value, str) and value.strip().lower() in _FALSE
 
 
 @functools.cache

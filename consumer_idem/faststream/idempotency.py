@@ -22,7 +22,7 @@ from consumer_idem.faststream.batch import (
 from consumer_idem.faststream.batch import (
     IdempotencyBatchContext as IdempotencyBatchContext,
 )
-from consumer_idem.faststream.budget import RabbitBudget
+from consumer_idem.faststream.budget import BrokerBudget, RabbitBudget
 from consumer_idem.faststream.confluent_side import _Confluent
 from consumer_idem.faststream.context import (
     _CURRENT,
@@ -60,12 +60,11 @@ class Idempotency:
     """A FastStream middleware factory making subscribers idempotent (see the module docstring).
 
     ``store``: a [`PostgresStore`][consumer_idem.PostgresStore], or a callable returning it (for
-    apps that open their
-    pool on startup). ``broker``: the ``KafkaBroker`` (aiokafka's, or Confluent's from
+    apps that open their pool on startup). ``broker``: the ``KafkaBroker`` (aiokafka's, or Confluent's from
     ``faststream.confluent``, see `consumer_idem.faststream.confluent_side`), ``RabbitBroker``,
-    ``NatsBroker`` (JetStream subscribers only, see `consumer_idem.faststream.nats_side`) or ``RedisBroker``
-    (stream consumer groups only, see `consumer_idem.faststream.redis_side`) the subscribers
-    belong to; dead letters, reconciliation notices and re-dispatches are published through it.
+    ``NatsBroker`` (JetStream subscribers only, see `consumer_idem.faststream.nats_side`) or
+    ``RedisBroker`` (stream consumer groups only, see `consumer_idem.faststream.redis_side`) the
+    subscribers belong to; dead letters, reconciliation notices and re-dispatches are published through it.
     The other arguments are those of
     [`consumer_idem.idempotent_consumer`][consumer_idem.idempotent_consumer], plus:
 
@@ -141,8 +140,13 @@ class Idempotency:
         self.route = faststream_route(broker, _route_transport(self.transport))
         #: the relay of what a crash or an outage left in the outbox (see .relay)
         self.outbox_relay = OutboxRelayTask(self, outbox_relay, app)
-        #: RabbitMQ's delivery budget, counted per key in Postgres
-        self.budget = RabbitBudget(self) if isinstance(self.transport, _Rabbit) else None
+        #: the delivery budget (RabbitMQ, NATS: brokers that count redeliveries), counted per
+        #: key in Postgres; None on Kafka (no per-record redelivery counter)
+        self.budget: BrokerBudget | None = None
+        if isinstance(self.transport, _Rabbit):
+            self.budget = RabbitBudget(self)
+        elif isinstance(self.transport, _Nats):
+            self.budget = BrokerBudget(self, self.transport.delivered_before)
         self._batch_consumer: IdempotentConsumer | None = None
         startup.guard_start(self, broker)  # unsafe subscribers refused before any fetch
 

@@ -102,6 +102,13 @@ class _Middleware(BaseMiddleware):
             verdict = await settle.process_holding(
                 process, stats=idem.stats, stopping=stopping, max_hold=idem.max_hold
             )
+        elif idem.budget is not None:  # NATS: a wait is a delayed nak, not held in hand
+            verdict = await idem.budget.processing(
+                msg,
+                functools.partial(idem.transport.incoming, msg),
+                functools.partial(self._execute, call_next, msg),
+                functools.partial(self._run, call_next, msg),
+            )()
         else:
             verdict = await self._run(call_next, msg)
         verdict = typed(verdict, idem.result_types.of(self.subscriber))

@@ -11,20 +11,23 @@ dead letters and reconciliation notices are published through JetStream and conf
 message waits on the server, not in hand. JetStream counts deliveries (``num_delivered``):
 after ``max_deliveries`` a message whose handler keeps failing is dead-lettered; a message
 waiting for the store (an outage) or for another owner is never dead-lettered for its count,
-nor are those deliveries counted against its handler's later failures.
+nor are those deliveries counted against its handler's later failures. A message JetStream
+delivered before runs under the delivery budget (`consumer_idem.faststream.budget`): alone in its
+process, one attempt counted in Postgres ahead of the handler, so a message that kills the
+process is dead-lettered too.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
 from faststream import StreamMessage
 
-from consumer_idem.consumer import Action, Verdict
+from consumer_idem.consumer import Verdict
 from consumer_idem.errors import IdempotencyConfigError
 from consumer_idem.faststream import _compat
+from consumer_idem.faststream.delivery_limit import exhausted
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import KEY_HEADER, ORIGINAL_QUEUE, SCOPE_HEADER, Notice
 from consumer_idem.transports import settle
@@ -46,7 +49,6 @@ MSG_ID_HEADER = "Nats-Msg-Id"
 #: the JetStream deliveries of a message when it was dead-lettered
 DEAD_LETTER_DELIVERIES = "x-dead-letter-deliveries"
 #: why a message whose handler kept failing was dead-lettered
-MAX_DELIVERIES_EXCEEDED = "max_deliveries_exceeded"
 #: seconds to wait for JetStream's ``PubAck`` of a dead letter or notice
 PUBLISH_TIMEOUT = 10.0
 
@@ -76,6 +78,10 @@ class _Nats:
             raw=raw,
         )
 
+    def delivered_before(self, message: StreamMessage[Any]) -> bool:
+        """Did JetStream deliver ``message`` before (the delivery budget's suspect)?"""
+        return bool(_metadata(message.raw_message).num_delivered > 1)
+
     def check(self, subscriber: Any) -> None:
         """A JetStream subscriber (push, pull or batch pull) with explicit acks, whose
         consumer does not stop redelivering before ``max_deliveries`` does."""
@@ -92,7 +98,17 @@ class _Nats:
                 "(ack_policy=AckPolicy.ACK_FIRST), before the handler runs, so a failure or "
                 "crash would lose it: subscribe with ack_policy=AckPolicy.MANUAL"
             )
-        config = getattr(subscriber, "config", None)
+        if _compat.nats_ordered_consumer(subscriber):
+            raise IdempotencyConfigError(
+                "an ordered JetStream consumer (ordered_consumer=True) acks nothing and "
+                "redelivers nothing (ack policy 'none'), so a failure or crash would lose the "
+                "message: subscribe with a durable consumer and explicit acks"
+            )
+        self.check_config(getattr(subscriber, "config", None))
+
+    def check_config(self, config: Any) -> None:
+        """A consumer config (the subscriber's own, or the one the server holds) with explicit
+        acks and redelivering at least ``max_deliveries`` times."""
         ack_policy = getattr(config, "ack_policy", None)
         if ack_policy is not None and str(getattr(ack_policy, "value", ack_policy)) != "explicit":
             raise IdempotencyConfigError(
@@ -108,6 +124,30 @@ class _Nats:
                 f"before the middleware's max_deliveries={limit} dead-letters it, so the server "
                 "would drop the message silently: leave max_deliver unset (-1) or raise it"
             )
+
+    async def check_server(self, subscriber: Any) -> None:
+        """The durable consumer the server already holds, if any: nats-py binds to it as it
+        is (an operator's edit, an earlier deploy's settings), not to the subscriber's config,
+        so the same checks apply to the server's copy before anything is fetched."""
+        from nats.js import JetStreamContext  # type: ignore[import-not-found, unused-ignore]
+        from nats.js.errors import NotFoundError  # type: ignore[import-not-found, unused-ignore]
+
+        stream = getattr(getattr(subscriber, "stream", None), "name", None)
+        durable = getattr(getattr(subscriber, "config", None), "durable_name", None)
+        jetstream = getattr(subscriber, "jetstream", None)
+        if not stream or not durable or not isinstance(jetstream, JetStreamContext):
+            return  # an ephemeral consumer is created from the checked config
+        try:
+            info = await jetstream.consumer_info(stream, durable)
+        except NotFoundError:
+            return  # created from the subscriber's checked config
+        try:
+            self.check_config(info.config)
+        except IdempotencyConfigError as exc:
+            raise IdempotencyConfigError(
+                f"the durable consumer {durable!r} on stream {stream!r} already exists on the "
+                f"server with other settings: {exc}"
+            ) from None
 
     def source(self, message: StreamMessage[Any], subscriber: Any) -> str:
         return str(message.raw_message.subject)
@@ -151,20 +191,7 @@ class _Nats:
         JetStream delivery of ``raw`` (None: ``nak`` it). Only the key's own failed runs
         count, as the store counted them: deliveries ``nak``-ed while waiting for the store or
         for another owner raise ``num_delivered`` too, and spend nothing."""
-        delivered = _metadata(raw).num_delivered
-        outcome = verdict.outcome
-        spent = delivered if outcome is None else min(delivered, outcome.attempts)
-        limit = self.idem.max_deliveries
-        if limit is None or spent < limit or settle.is_wait(verdict):
-            return None
-        failure = verdict.error or (verdict.outcome and verdict.outcome.error)
-        last = f"{verdict.reason}: {failure!r}" if failure else verdict.reason
-        return dataclasses.replace(
-            verdict,
-            action=Action.DEAD_LETTER,
-            reason=MAX_DELIVERIES_EXCEEDED,
-            error=f"delivered {spent} times, last failure: {last}",
-        )
+        return exhausted(_metadata(raw).num_delivered, verdict, self.idem.max_deliveries)
 
     async def requeue(self, message: StreamMessage[Any], source: str) -> None:
         raise NotImplementedError("NATS does not hold waits: a delayed nak keeps it on the server")

@@ -47,7 +47,9 @@ class _Rabbit:
     def check(self, subscriber: Any) -> None:
         """Deliveries are acked one by one: any concurrency is fine. The queue's own delivery
         limit must not end a message before the budget does."""
-        assert self.idem.budget is not None
+        from consumer_idem.faststream.budget import RabbitBudget
+
+        assert isinstance(self.idem.budget, RabbitBudget)
         self.idem.budget.check_queue(subscriber)
 
     def source(self, message: StreamMessage[Any], subscriber: Any) -> str:

@@ -96,6 +96,8 @@ class _Settler(batch.SubscriberSide):
     async def retry_later(self, message: StreamMessage[Any], verdict: Verdict) -> None:
         # a delayed nak (NATS) or an entry left pending (Redis), or its delivery budget is spent
         if isinstance(self.transport, _Nats | _Redis):
+            if self.idem.budget is not None:
+                await self.idem.budget.failed(message, verdict)
             await self.transport.retry_later(self, message, verdict)
             return
         if self.idem.budget is not None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from faststream import AckPolicy
 
 from consumer_idem.errors import IdempotencyConfigError
-from consumer_idem.faststream._compat import subscriber_middlewares
+from consumer_idem.faststream._compat import on_subscriber_start, subscriber_middlewares
 
 if TYPE_CHECKING:
     from consumer_idem.faststream import Idempotency
@@ -54,36 +54,70 @@ def subscriber_name(subscriber: Any) -> str:
     return str(name or type(subscriber).__name__)
 
 
+def _guards(subscriber: Any) -> list[Idempotency]:
+    from consumer_idem.faststream import Idempotency
+
+    return [m for m in subscriber_middlewares(subscriber) if isinstance(m, Idempotency)]
+
+
+def _problems(subscriber: Any, guards: list[Idempotency]) -> list[str]:
+    """What loses messages in ``subscriber``'s own configuration (no server asked)."""
+    reason = unsafe_ack_policy(subscriber)
+    if reason is not None:
+        return [reason]
+    problems: list[str] = []
+    for idem in guards:
+        try:
+            idem.transport.check(subscriber)
+            idem.result_types.of(subscriber)  # an unreadable return type: now, not later
+        except IdempotencyConfigError as exc:
+            problems.append(f"subscriber {subscriber_name(subscriber)!r}: {exc}")
+    return problems
+
+
 def check_subscribers(broker: Any) -> None:
     """Raise [`IdempotencyConfigError`][consumer_idem.IdempotencyConfigError] naming every
     subscriber of ``broker`` run through
     an `Idempotency` middleware that would lose messages."""
-    from consumer_idem.faststream import Idempotency
-
     problems: list[str] = []
     for subscriber in getattr(broker, "subscribers", ()):
-        guards = [m for m in subscriber_middlewares(subscriber) if isinstance(m, Idempotency)]
-        if not guards:
-            continue
-        reason = unsafe_ack_policy(subscriber)
-        if reason is not None:
-            problems.append(reason)
-            continue
-        for idem in guards:
-            try:
-                idem.transport.check(subscriber)
-                idem.result_types.of(subscriber)  # an unreadable return type: now, not later
-            except IdempotencyConfigError as exc:
-                problems.append(f"subscriber {subscriber_name(subscriber)!r}: {exc}")
+        guards = _guards(subscriber)
+        if guards:
+            problems.extend(_problems(subscriber, guards))
     if problems:
         raise IdempotencyConfigError(
             "refusing to start the broker: " + "; ".join(dict.fromkeys(problems))
         )
 
 
+async def check_subscriber_start(subscriber: Any) -> None:
+    """The same checks, and what the server holds (a durable NATS consumer created earlier
+    with other settings), for one subscriber as it starts: those the broker starts, and a
+    subscriber the application adds and starts later (after ``broker.start()``)."""
+    guards = _guards(subscriber)
+    if not guards:
+        return
+    problems = _problems(subscriber, guards)
+    if not problems:
+        for idem in guards:
+            check_server = getattr(idem.transport, "check_server", None)
+            if check_server is None:
+                continue
+            try:
+                await check_server(subscriber)
+            except IdempotencyConfigError as exc:
+                problems.append(f"subscriber {subscriber_name(subscriber)!r}: {exc}")
+    if problems:
+        raise IdempotencyConfigError(
+            "refusing to start the subscriber: " + "; ".join(dict.fromkeys(problems))
+        )
+
+
 def guard_start(idem: Idempotency, broker: Any) -> None:
-    """Make ``broker.start()`` refuse unsafe subscribers before it connects or fetches."""
+    """Make ``broker.start()`` refuse unsafe subscribers before it connects or fetches, and
+    each subscriber's start (a runtime one too) refuse itself before it fetches."""
     del idem  # every Idempotency on the broker is checked at once
+    on_subscriber_start(check_subscriber_start)
     if getattr(broker, _GUARDED, False):
         return
     original: Callable[..., Awaitable[Any]] = broker.start
