@@ -60,11 +60,12 @@ class Idempotency:
     """A FastStream middleware factory making subscribers idempotent (see the module docstring).
 
     ``store``: a [`PostgresStore`][consumer_idem.PostgresStore], or a callable returning it (for
-    apps that open their pool on startup). ``broker``: the ``KafkaBroker`` (aiokafka's, or Confluent's from
-    ``faststream.confluent``, see `consumer_idem.faststream.confluent_side`), ``RabbitBroker``,
-    ``NatsBroker`` (JetStream subscribers only, see `consumer_idem.faststream.nats_side`) or
-    ``RedisBroker`` (stream consumer groups only, see `consumer_idem.faststream.redis_side`) the
-    subscribers belong to; dead letters, reconciliation notices and re-dispatches are published through it.
+    apps that open their pool on startup). ``broker``: the ``KafkaBroker`` (aiokafka's, or
+    Confluent's from ``faststream.confluent``, see `consumer_idem.faststream.confluent_side`),
+    ``RabbitBroker``, ``NatsBroker`` (JetStream subscribers only, see
+    `consumer_idem.faststream.nats_side`) or ``RedisBroker`` (stream consumer groups only, see
+    `consumer_idem.faststream.redis_side`) the subscribers belong to; dead letters,
+    reconciliation notices and re-dispatches are published through it.
     The other arguments are those of
     [`consumer_idem.idempotent_consumer`][consumer_idem.idempotent_consumer], plus:
 
