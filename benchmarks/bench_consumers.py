@@ -39,7 +39,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from benchmarks import kafka_scale
-from benchmarks.common import Clock, entry, scratch_database, settle, until
+from benchmarks.common import Clock, entry, scratch_database, settle, settled_rate, until
 from benchmarks.pg_cpu import CpuMeter, postmaster_of
 from consumer_idem import PostgresStore, header, idempotent_consumer
 from consumer_idem.cli.settings import load_settings
@@ -185,29 +185,6 @@ async def plain_kafka_per_partition(
     return clock.rate()
 
 
-async def _measure(broker: Any, router: Any, clock: Clock, idem: Any, count: int) -> float:
-    """Run the broker until ``count`` messages were settled: counted by the plain handler on
-    ``clock``, or from the middleware's stats."""
-    broker.include_router(router)
-    await broker.start()
-    seen = 0
-
-    def done() -> bool:
-        nonlocal seen
-        if idem is None:
-            return clock.count >= count
-        if idem.stats.processed > seen:
-            clock.tick(idem.stats.processed - seen)
-            seen = idem.stats.processed
-        return seen >= count
-
-    try:
-        await until(done)
-    finally:
-        await broker.stop()
-    return clock.rate()
-
-
 def _faststream(store: PostgresStore, idempotent: bool) -> tuple[Any, Any, Any]:
     """A KafkaBroker and a router for one run, the router behind the middleware (returned
     too, for its stats) when ``idempotent``."""
@@ -267,7 +244,7 @@ async def faststream_kafka(
             await message.ack()
             clock.tick()
 
-    return await _measure(broker, router, clock, idem, count)
+    return await settled_rate(broker, router, clock, idem, count)
 
 
 async def faststream_kafka_batch(
@@ -314,7 +291,7 @@ async def faststream_kafka_batch(
             await message.ack()
             clock.tick(len(bodies))
 
-    return await _measure(broker, router, clock, idem, count)
+    return await settled_rate(broker, router, clock, idem, count)
 
 
 async def rotated(rounds: int, sides: Sequence[Callable[[], Any]]) -> list[list[float]]:

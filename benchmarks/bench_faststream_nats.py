@@ -23,7 +23,7 @@ import nats
 from nats.js import api
 
 from benchmarks.bench_consumers import alternate
-from benchmarks.common import Clock, entry, scratch_database, until
+from benchmarks.common import Clock, entry, scratch_database, settled_rate
 from consumer_idem import PostgresStore, header
 from consumer_idem.cli.settings import load_settings
 from examples.payments_producer import plan
@@ -132,24 +132,7 @@ async def faststream_nats(
             await message.ack_sync()
             clock.tick()
 
-    broker.include_router(router)
-    await broker.start()
-    seen = 0
-
-    def done() -> bool:
-        nonlocal seen
-        if idem is None:
-            return clock.count >= count
-        if idem.stats.processed > seen:
-            clock.tick(idem.stats.processed - seen)
-            seen = idem.stats.processed
-        return seen >= count
-
-    try:
-        await until(done, 300)
-    finally:
-        await broker.stop()
-    return clock.rate()
+    return await settled_rate(broker, router, clock, idem, count, 300)
 
 
 async def run() -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ import asyncpg
 import redis.asyncio as aioredis
 
 from benchmarks.bench_consumers import alternate
-from benchmarks.common import Clock, entry, scratch_database, until
+from benchmarks.common import Clock, entry, scratch_database, settled_rate
 from consumer_idem import PostgresStore, header
 from consumer_idem.cli.settings import load_settings
 from consumer_idem.message import ConsumerMessage
@@ -95,24 +95,7 @@ async def faststream_redis(
             await message.ack()
             clock.tick()
 
-    broker.include_router(router)
-    await broker.start()
-    seen = 0
-
-    def done() -> bool:
-        nonlocal seen
-        if idem is None:
-            return clock.count >= COUNT
-        if idem.stats.processed > seen:
-            clock.tick(idem.stats.processed - seen)
-            seen = idem.stats.processed
-        return seen >= COUNT
-
-    try:
-        await until(done, 300)
-    finally:
-        await broker.stop()
-    return clock.rate()
+    return await settled_rate(broker, router, clock, idem, COUNT, 300)
 
 
 async def run() -> list[dict[str, Any]]:

@@ -123,6 +123,31 @@ async def until(done: Callable[[], bool], budget: float = 600) -> None:
         await asyncio.sleep(0.005)
 
 
+async def settled_rate(
+    broker: Any, router: Any, clock: Clock, idem: Any, count: int, budget: float = 600
+) -> float:
+    """Run a FastStream ``broker`` until ``count`` messages were settled: counted by the plain
+    handler on ``clock``, or from the middleware's stats (``idem``); their rate."""
+    broker.include_router(router)
+    await broker.start()
+    seen = 0
+
+    def done() -> bool:
+        nonlocal seen
+        if idem is None:
+            return clock.count >= count
+        if idem.stats.processed > seen:
+            clock.tick(idem.stats.processed - seen)
+            seen = idem.stats.processed
+        return seen >= count
+
+    try:
+        await until(done, budget)
+    finally:
+        await broker.stop()
+    return clock.rate()
+
+
 #: wait for the machine to settle before a benchmark: at least this share of CPU time idle ...
 QUIET_IDLE = 0.85
 #: ... but never longer than this (a machine that never settles still gets measured)
