@@ -1,12 +1,13 @@
 """Postgres CPU per idempotent unit on altered copies of the store's schema, in one run.
 
 ``python -m benchmarks.cpu_variants 4x16 [rounds] [seconds]``: a scratch database per variant
-(the current schema, then each change of `VARIANTS` made by hand after the migrations), the
-plain unit on the first one; every round runs each side once, each round starting with the
-next side; medians, each as a ratio to the plain unit. Only to decide whether a schema change
-is worth a migration: the changes here drop what the library needs. Each variant keeps its
-clients' connections open, so the server needs ``max_connections`` above 4 x P x T (a server of
-its own: run it with ``CONSUMER_IDEM_PG_DSN`` pointing there).
+(the current schema, then each change of `VARIANTS` made by hand after the migrations, or a
+change of the claim each client process makes first), the plain unit on the first one; every
+round runs each side once, each round starting with the next side; medians, each as a ratio to
+the plain unit. Only to decide whether a change is worth a migration: the changes here drop
+what the library needs. Each variant keeps its clients' connections open, so the server needs
+``max_connections`` above 9 x P x T (a server of its own: run it with ``CONSUMER_IDEM_PG_DSN``
+pointing there).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 
 import asyncpg
@@ -25,17 +27,47 @@ from benchmarks.store_cpu import TABLE, Clients
 from consumer_idem import PostgresStore
 
 RECORDS = "consumer_idem.idempotency_records"
-VARIANTS: dict[str, list[str]] = {
-    "current": [],
-    "no_expiry_btree": [f"DROP INDEX {RECORDS}_expiry"],
-    "no_partial_indexes": [
-        f"DROP INDEX {RECORDS}_leases, {RECORDS}_listing, {RECORDS}_reconcile_due"
-    ],
-    "no_checks": [
-        f"ALTER TABLE {RECORDS} DROP CONSTRAINT idempotency_records_check,"
-        " DROP CONSTRAINT idempotency_records_result_kind_check,"
-        " DROP CONSTRAINT idempotency_records_status_check"
-    ],
+NO_EXPIRY_BTREE = [f"DROP INDEX {RECORDS}_expiry"]
+NO_PARTIAL_INDEXES = [f"DROP INDEX {RECORDS}_leases, {RECORDS}_listing, {RECORDS}_reconcile_due"]
+NO_CHECKS = [
+    f"ALTER TABLE {RECORDS} DROP CONSTRAINT idempotency_records_check,"
+    " DROP CONSTRAINT idempotency_records_result_kind_check,"
+    " DROP CONSTRAINT idempotency_records_status_check"
+]
+C_COLLATION = [
+    f'ALTER TABLE {RECORDS} ALTER COLUMN scope TYPE text COLLATE "C",'
+    ' ALTER COLUMN key TYPE text COLLATE "C"'
+]
+
+
+def plain_claim() -> None:
+    """The fast path's claim as a plain INSERT, without ON CONFLICT's speculative insertion
+    (a pre-check of the primary key, then a confirmation record). Every key of these runs is
+    new, so no claim conflicts and the unit does the same work otherwise."""
+    from consumer_idem.stores.postgres.fast_path import FastPath
+
+    original = FastPath._claim_sql
+
+    def claim_sql(self: FastPath, *args: str) -> str:
+        return original(self, *args).replace(" ON CONFLICT (scope, key) DO NOTHING", "")
+
+    FastPath._claim_sql = claim_sql  # type: ignore[method-assign]
+
+
+#: name: (schema changes made after the migrations, a setup each client process runs first)
+VARIANTS: dict[str, tuple[list[str], Callable[[], None] | None]] = {
+    "current": ([], None),
+    "plain_claim": ([], plain_claim),
+    "no_expiry_btree": (NO_EXPIRY_BTREE, None),
+    "brin_expiry": (
+        [*NO_EXPIRY_BTREE, f"CREATE INDEX ON {RECORDS} USING brin (expires_at)"],
+        None,
+    ),
+    "no_partial_indexes": (NO_PARTIAL_INDEXES, None),
+    "no_checks": (NO_CHECKS, None),
+    "c_collation": (C_COLLATION, None),
+    # all of the above at once: what the row costs with nothing but its heap tuple and key
+    "lean": ([*NO_EXPIRY_BTREE, *NO_PARTIAL_INDEXES, *NO_CHECKS, *C_COLLATION], plain_claim),
 }
 
 
@@ -57,11 +89,13 @@ async def main(level: str, rounds: int, seconds: float) -> None:
     procs, tasks = map(int, level.split("x"))
     async with AsyncExitStack() as stack:
         dsns = {}
-        for name, changes in VARIANTS.items():
+        for name, (changes, _) in VARIANTS.items():
             dsns[name] = await stack.enter_async_context(scratch_database())
             await _prepare(dsns[name], changes)
         meter = CpuMeter(await postmaster_of(dsns["current"]))
-        clients = {name: Clients(dsn, procs, tasks) for name, dsn in dsns.items()}
+        clients = {
+            name: Clients(dsn, procs, tasks, VARIANTS[name][1]) for name, dsn in dsns.items()
+        }
         try:
             sides = [("plain", "current")] + [("idem", name) for name in VARIANTS]
             for mode, name in sides:  # warm-up

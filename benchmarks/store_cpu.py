@@ -15,6 +15,7 @@ import multiprocessing as mp
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -67,21 +68,30 @@ async def _serve(dsn: str, tasks: int, name: str, pipe: Connection) -> None:
         await pool.close()
 
 
-def _worker(dsn: str, tasks: int, name: str, pipe: Connection) -> None:
+def _worker(
+    dsn: str, tasks: int, name: str, pipe: Connection, setup: Callable[[], None] | None
+) -> None:
+    if setup is not None:
+        setup()
     asyncio.run(_serve(dsn, tasks, name, pipe))
 
 
 class Clients:
-    """P worker processes of T tasks each, run round by round."""
+    """P worker processes of T tasks each, run round by round. ``setup``: a module-level
+    function each worker calls first (`benchmarks.cpu_variants` alters the claim with it)."""
 
-    def __init__(self, dsn: str, procs: int, tasks: int) -> None:
+    def __init__(
+        self, dsn: str, procs: int, tasks: int, setup: Callable[[], None] | None = None
+    ) -> None:
         ctx = mp.get_context("spawn")  # no event loop or connection inherited
         self.pipes: list[Connection] = []
         self.procs: list[Any] = []
         run = uuid.uuid4().hex[:8]  # keys unique across runs on one table
         for p in range(procs):
             mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(dsn, tasks, f"{run}p{p}", theirs), daemon=True)
+            proc = ctx.Process(
+                target=_worker, args=(dsn, tasks, f"{run}p{p}", theirs, setup), daemon=True
+            )
             proc.start()
             self.pipes.append(mine)
             self.procs.append(proc)
