@@ -1,12 +1,12 @@
 """Postgres CPU per idempotent unit on altered copies of the store's schema, in one run.
 
-``python -m benchmarks.cpu_variants 4x16 [rounds] [seconds]``: a scratch database per variant
-(the current schema, then each change of `VARIANTS` made by hand after the migrations, or a
+``python -m benchmarks.cpu_variants 4x16 [rounds] [seconds] [name,...]``: a scratch database per
+variant (the current schema, then each change of `VARIANTS` made by hand after the migrations, or a
 change of the claim each client process makes first), the plain unit on the first one; every
 round runs each side once, each round starting with the next side; medians, each as a ratio to
 the plain unit. Only to decide whether a change is worth a migration: the changes here drop
 what the library needs. Each variant keeps its clients' connections open, so the server needs
-``max_connections`` above 9 x P x T (a server of its own: run it with ``CONSUMER_IDEM_PG_DSN``
+``max_connections`` above 10 x P x T (a server of its own: run it with ``CONSUMER_IDEM_PG_DSN``
 pointing there).
 """
 
@@ -29,10 +29,18 @@ from consumer_idem import PostgresStore
 RECORDS = "consumer_idem.idempotency_records"
 NO_EXPIRY_BTREE = [f"DROP INDEX {RECORDS}_expiry"]
 NO_PARTIAL_INDEXES = [f"DROP INDEX {RECORDS}_leases, {RECORDS}_listing, {RECORDS}_reconcile_due"]
+#: the store as version 11 left it: the status and result kind checked by CHECK constraints
+CHECKS = [
+    f"ALTER TABLE {RECORDS} ALTER COLUMN status TYPE text, ALTER COLUMN result_kind TYPE text,"
+    " ADD CONSTRAINT idempotency_records_status_check CHECK (status IN ('in_progress',"
+    " 'completed', 'failed_retryable', 'unknown', 'expired')),"
+    " ADD CONSTRAINT idempotency_records_result_kind_check"
+    " CHECK (result_kind IN ('success', 'domain_error'))"
+]
+#: nothing checks a record's values
 NO_CHECKS = [
-    f"ALTER TABLE {RECORDS} DROP CONSTRAINT idempotency_records_check,"
-    " DROP CONSTRAINT idempotency_records_result_kind_check,"
-    " DROP CONSTRAINT idempotency_records_status_check"
+    f"ALTER TABLE {RECORDS} ALTER COLUMN status TYPE text, ALTER COLUMN result_kind TYPE text,"
+    " DROP CONSTRAINT idempotency_records_check"
 ]
 C_COLLATION = [
     f'ALTER TABLE {RECORDS} ALTER COLUMN scope TYPE text COLLATE "C",'
@@ -57,6 +65,7 @@ def plain_claim() -> None:
 #: name: (schema changes made after the migrations, a setup each client process runs first)
 VARIANTS: dict[str, tuple[list[str], Callable[[], None] | None]] = {
     "current": ([], None),
+    "check_constraints": (CHECKS, None),
     "plain_claim": ([], plain_claim),
     "no_expiry_btree": (NO_EXPIRY_BTREE, None),
     "brin_expiry": (
@@ -85,19 +94,21 @@ async def _prepare(dsn: str, changes: list[str]) -> None:
         await conn.close()
 
 
-async def main(level: str, rounds: int, seconds: float) -> None:
+async def main(level: str, rounds: int, seconds: float, names: list[str]) -> None:
     procs, tasks = map(int, level.split("x"))
+    if "current" not in names:
+        names = ["current", *names]  # the plain unit runs on the current schema
     async with AsyncExitStack() as stack:
         dsns = {}
-        for name, (changes, _) in VARIANTS.items():
+        for name in names:
             dsns[name] = await stack.enter_async_context(scratch_database())
-            await _prepare(dsns[name], changes)
+            await _prepare(dsns[name], VARIANTS[name][0])
         meter = CpuMeter(await postmaster_of(dsns["current"]))
         clients = {
             name: Clients(dsn, procs, tasks, VARIANTS[name][1]) for name, dsn in dsns.items()
         }
         try:
-            sides = [("plain", "current")] + [("idem", name) for name in VARIANTS]
+            sides = [("plain", "current")] + [("idem", name) for name in names]
             for mode, name in sides:  # warm-up
                 await clients[name].round(mode, 1.0, f"w{mode}")
             cpu: dict[tuple[str, str], list[float]] = {side: [] for side in sides}
@@ -112,7 +123,7 @@ async def main(level: str, rounds: int, seconds: float) -> None:
                 c.close()
     plain = statistics.median(cpu[("plain", "current")])
     out: dict[str, object] = {"level": level, "plain_us": round(plain)}
-    for name in VARIANTS:
+    for name in names:
         us = statistics.median(cpu[("idem", name)])
         out[name] = {"us": round(us), "ratio": round(us / plain, 2)}
     print(json.dumps(out), flush=True)
@@ -122,6 +133,9 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     asyncio.run(
         main(
-            args[0], int(args[1]) if len(args) > 1 else 7, float(args[2]) if len(args) > 2 else 2.0
+            args[0],
+            int(args[1]) if len(args) > 1 else 7,
+            float(args[2]) if len(args) > 2 else 2.0,
+            args[3].split(",") if len(args) > 3 else list(VARIANTS),
         )
     )

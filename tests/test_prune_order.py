@@ -33,7 +33,7 @@ async def add(store: PostgresStore, n: int, status: str, ages_s: list[float]) ->
     """``n`` rows of ``status`` that expired ``ages_s[i]`` seconds ago, inserted in that order."""
     await store.pool.execute(
         f"INSERT INTO {store.table} (scope, key, fingerprint, status, reconcile_after, expires_at)"
-        " SELECT 's', $1 || i, 'fp', $2, CASE WHEN $2 = 'unknown' THEN now() END,"
+        " SELECT 's', $1 || i, 'fp', $2::text, CASE WHEN $2::text = 'unknown' THEN now() END,"
         " now() - make_interval(secs => ($3::float8[])[i])"
         " FROM generate_series(1, $4) i",
         f"{status}-",

@@ -463,7 +463,7 @@ class FastPath:
         sql = (
             f"INSERT INTO {self.store.table} AS t (scope, key, fingerprint, status, last_error,"
             " reconcile_after, expires_at)"
-            " VALUES ($1, $2, $3, $4, $5, CASE WHEN $4 = 'unknown' THEN now() END,"
+            " VALUES ($1, $2, $3, $4::text, $5, CASE WHEN $4::text = 'unknown' THEN now() END,"
             " now() + $6::interval)"
             " ON CONFLICT (scope, key) DO UPDATE SET status = EXCLUDED.status,"
             " attempts = t.attempts + 1, last_error = EXCLUDED.last_error,"
