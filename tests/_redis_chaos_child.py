@@ -2,10 +2,12 @@
 ``tests/test_faststream_redis.py``: one reading subscriber and one claiming subscriber
 (``XAUTOCLAIM``) of a consumer group, through the Idempotency middleware.
 
-    python -m tests._redis_chaos_child <redis_url> <stream> <group> <consumer> <scope>
+    python -m tests._redis_chaos_child <redis_url> <stream> <group> <consumer> <scope> \
+        [max_deliveries]
 
 Prints ``{"event": "started"}`` once the broker reads; runs until killed. The DSN comes from
-``CONSUMER_IDEM_PG_DSN``; each message's effect goes to ``fs_effects`` in its transaction.
+``CONSUMER_IDEM_PG_DSN``; each message's effect goes to ``fs_effects`` in its transaction. A
+message whose body says ``"kill": true`` SIGKILLs the process in its handler, before the commit.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -28,12 +31,15 @@ from tests._faststream import write_effect
 CLAIM_AFTER_MS = 800
 
 
-async def main(redis_url: str, stream: str, group: str, consumer: str, scope: str) -> None:
+async def main(
+    redis_url: str, stream: str, group: str, consumer: str, scope: str, limit: str = ""
+) -> None:
     pool = await asyncpg.create_pool(os.environ["CONSUMER_IDEM_PG_DSN"], min_size=1)
     assert pool is not None
     store = PostgresStore(pool)
     broker = RedisBroker(redis_url, logger=None)
-    idem = Idempotency(store, broker=broker, scope=scope, backoff=(0.05, 0.2))
+    budget = {"max_deliveries": int(limit)} if limit else {}
+    idem = Idempotency(store, broker=broker, scope=scope, backoff=(0.05, 0.2), **budget)
     router = RedisRouter(middlewares=[idem])
 
     @router.subscriber(
@@ -47,6 +53,8 @@ async def main(redis_url: str, stream: str, group: str, consumer: str, scope: st
     async def handle(
         data: dict[str, Any], conn: IdempotentConnection, current: CurrentIdempotency
     ) -> None:
+        if data.get("kill"):
+            os.kill(os.getpid(), signal.SIGKILL)
         await write_effect(conn, current, data["n"])
         await asyncio.sleep(0.005)  # a kill often lands inside the transaction
 
@@ -57,4 +65,4 @@ async def main(redis_url: str, stream: str, group: str, consumer: str, scope: st
 
 
 if __name__ == "__main__":
-    asyncio.run(main(*sys.argv[1:6]))
+    asyncio.run(main(*sys.argv[1:7]))

@@ -292,6 +292,75 @@ async def test_redis_sigkilled_consumers_entries_are_claimed_and_run_exactly_onc
     assert info[0]["pending"] == 0 and info[0]["lag"] == 0
 
 
+async def test_redis_entry_killing_the_consumer_is_dead_lettered_after_max_deliveries(
+    redis_url: str,
+    redis_client: aioredis.Redis,
+    pg_dsn: str,
+    pg_pool: asyncpg.Pool,
+    store: PostgresStore,
+    scope: str,
+    effects: None,
+    stream: str,
+) -> None:
+    """An entry whose handler SIGKILLs the process never fails, so no failure count ends its
+    loop: the claiming subscriber hands it over as delivered before, and it runs counted in
+    Postgres ahead of its handler until ``max_deliveries`` runs, then goes to the dead-letter
+    stream. The entries around it run once."""
+    await redis_client.xgroup_create(stream, "workers", id="0", mkstream=True)
+    poison = await _encoded({"n": 0, "kill": True}, {"idempotency-key": "poison"})
+    await redis_client.xadd(stream, {"__data__": poison})
+    for n in range(1, 4):
+        await redis_client.xadd(
+            stream, {"__data__": await _encoded({"n": n}, {"idempotency-key": f"k{n}"})}
+        )
+    env = dict(os.environ, CONSUMER_IDEM_PG_DSN=pg_dsn)
+    kills = 0
+    proc = None
+    try:
+        for pod in range(5):  # max_deliveries=2: the first run, 2 counted runs, the dead letter
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "tests._redis_chaos_child",
+                redis_url,
+                stream,
+                "workers",
+                f"pod-{pod}",
+                scope,
+                "2",
+                cwd=ROOT,
+                env=env,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
+            try:
+                await asyncio.wait_for(proc.wait(), timeout=8)  # claimed after 0.8 s idle
+            except TimeoutError:
+                break  # alive: the poison was dead-lettered
+            assert proc.returncode == -signal.SIGKILL
+            kills += 1
+
+        async def settled() -> bool:
+            done = await effect_count(pg_pool, scope) == 3
+            return done and await pending(redis_client, stream) == 0
+
+        await wait_until(settled, 20, "the poison dead-lettered and the rest run")
+    finally:
+        if proc is not None and proc.returncode is None:
+            proc.send_signal(signal.SIGKILL)
+            await proc.wait()
+    assert kills == 3  # the first run (uncounted), then max_deliveries counted runs
+    [(_, dead)] = await redis_client.xrange(f"{stream}.dlq")
+    headers, body = _decoded(dead)
+    assert json.loads(body) == {"n": 0, "kill": True}
+    assert headers["x-dead-letter-reason"] == "max_deliveries"
+    assert headers["x-dead-letter-key"] == "poison"
+    per_key = await pg_pool.fetch(
+        "SELECT key, count(*) AS runs FROM fs_effects WHERE scope = $1 GROUP BY key", scope
+    )
+    assert {r["key"]: r["runs"] for r in per_key} == {"k1": 1, "k2": 1, "k3": 1}
+
+
 async def _encoded(body: dict[str, Any], headers: dict[str, str]) -> bytes:
     """An entry as FastStream's publisher writes it (its binary message format)."""
     return await BinaryMessageFormatV1.encode(

@@ -1,8 +1,10 @@
-"""Delivery budgets (``max_deliveries``) of FastStream's subscribers whose broker counts
-redeliveries: RabbitMQ (its ``redelivered`` flag) and NATS JetStream (``num_delivered > 1``).
-A transport plugs in with one question, ``delivered_before(message)``: did the broker deliver
-this message before (it may be what killed the last consumer)? Kafka has no per-record
-redelivery counter, so no budget: a record that kills the process is retried until fixed.
+"""Delivery budgets (``max_deliveries``) of FastStream's subscribers whose broker says which
+deliveries are redeliveries: RabbitMQ (its ``redelivered`` flag), NATS JetStream
+(``num_delivered > 1``) and Redis Streams (an entry handed over by a claiming subscriber,
+``XAUTOCLAIM``, was pending: delivered before). A transport plugs in with one question,
+``delivered_before(message, subscriber)``: did the broker deliver this message before (it may be
+what killed the last consumer)? Kafka has no per-record redelivery counter, so no budget: a
+record that kills the process is retried until fixed.
 
 The same rule as [`RabbitRunner`][consumer_idem.transports.rabbit.RabbitRunner]'s
 (`consumer_idem.transports.delivery_budget`): the broker's ``x-delivery-count`` only says
@@ -32,11 +34,12 @@ if TYPE_CHECKING:
     from consumer_idem.faststream import Idempotency
 
 
-#: whether the broker delivered a message before (a suspect: it runs alone, counted ahead)
-DeliveredBefore = Callable[["StreamMessage[Any]"], bool]
+#: whether the broker delivered a message (through a subscriber) before (a suspect: it runs
+#: alone, counted ahead)
+DeliveredBefore = Callable[["StreamMessage[Any]", Any], bool]
 
 
-def rabbit_delivered_before(message: StreamMessage[Any]) -> bool:
+def rabbit_delivered_before(message: StreamMessage[Any], subscriber: Any) -> bool:
     from consumer_idem.transports.rabbit import redelivered_before
 
     return redelivered_before(message.raw_message)
@@ -61,6 +64,7 @@ class BrokerBudget:
     def processing(
         self,
         message: StreamMessage[Any],
+        subscriber: Any,
         view: Callable[[], ConsumerMessage],
         execute: Execute,
         fresh: Callable[[], Awaitable[Verdict]],
@@ -68,15 +72,15 @@ class BrokerBudget:
         """How ``message`` is processed: a first delivery by ``fresh``, beside others but never
         beside a suspect; a delivery the broker delivered before runs counted, alone in its
         process (``view`` gives a fresh view of it per try, ``execute`` runs it once counted)."""
-        if not self.delivered_before(message):
+        if not self.delivered_before(message, subscriber):
             return self.budget.fresh(fresh)
         return self.budget.suspect(view, execute)
 
-    async def failed(self, message: StreamMessage[Any], verdict: Verdict) -> None:
+    async def failed(self, message: StreamMessage[Any], subscriber: Any, verdict: Verdict) -> None:
         """A delivery is handed back for a retry: a first delivery's failed run counts now (a
         redelivered one counted itself ahead; a wait for the store or another owner is no
         run)."""
-        if settle.is_wait(verdict) or self.delivered_before(message):
+        if settle.is_wait(verdict) or self.delivered_before(message, subscriber):
             return
         await self.budget.failed(verdict)
 

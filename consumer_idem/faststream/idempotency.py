@@ -141,12 +141,12 @@ class Idempotency:
         self.route = faststream_route(broker, _route_transport(self.transport))
         #: the relay of what a crash or an outage left in the outbox (see .relay)
         self.outbox_relay = OutboxRelayTask(self, outbox_relay, app)
-        #: the delivery budget (RabbitMQ, NATS: brokers that count redeliveries), counted per
+        #: the delivery budget (RabbitMQ, NATS, Redis: brokers that tell redeliveries), counted per
         #: key in Postgres; None on Kafka (no per-record redelivery counter)
         self.budget: BrokerBudget | None = None
         if isinstance(self.transport, _Rabbit):
             self.budget = RabbitBudget(self)
-        elif isinstance(self.transport, _Nats):
+        elif isinstance(self.transport, _Nats | _Redis):
             self.budget = BrokerBudget(self, self.transport.delivered_before)
         self._batch_consumer: IdempotentConsumer | None = None
         startup.guard_start(self, broker)  # unsafe subscribers refused before any fetch

@@ -94,6 +94,7 @@ class _Middleware(BaseMiddleware):
             if idem.budget is not None:
                 process = idem.budget.processing(
                     msg,
+                    self.subscriber,
                     functools.partial(idem.transport.incoming, msg),
                     functools.partial(self._execute, call_next, msg),
                     process,
@@ -102,9 +103,10 @@ class _Middleware(BaseMiddleware):
             verdict = await settle.process_holding(
                 process, stats=idem.stats, stopping=stopping, max_hold=idem.max_hold
             )
-        elif idem.budget is not None:  # NATS: a wait is a delayed nak, not held in hand
+        elif idem.budget is not None:  # NATS, Redis: a wait is not held in hand
             verdict = await idem.budget.processing(
                 msg,
+                self.subscriber,
                 functools.partial(idem.transport.incoming, msg),
                 functools.partial(self._execute, call_next, msg),
                 functools.partial(self._run, call_next, msg),

@@ -78,7 +78,7 @@ class _Nats:
             raw=raw,
         )
 
-    def delivered_before(self, message: StreamMessage[Any]) -> bool:
+    def delivered_before(self, message: StreamMessage[Any], subscriber: Any) -> bool:
         """Did JetStream deliver ``message`` before (the delivery budget's suspect)?"""
         return bool(_metadata(message.raw_message).num_delivered > 1)
 

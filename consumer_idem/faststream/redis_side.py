@@ -20,7 +20,11 @@ Redis counts deliveries in the PEL (``XPENDING``'s ``times_delivered``, read thr
 FastStream's ``RedisStreamMessage.get_delivery_count``): a message whose handler fails on its
 ``max_deliveries``-th delivery is dead-lettered (``XADD`` to ``<stream>.dlq`` with its reason)
 and acked only once the dead letter is written; a wait for the store or for another owner is
-never dead-lettered for its count.
+never dead-lettered for its count. An entry that kills the process never fails: what ends
+that loop is the delivery budget (`consumer_idem.faststream.budget`). Whatever the claiming
+subscriber hands over was delivered before, so it runs alone in the process, counting one
+attempt of its key in Postgres right before its handler, and is dead-lettered (reason
+``max_deliveries``) once ``max_deliveries`` such attempts ran without completing.
 
 The key: FastStream's ``RedisBroker`` has no message id of its own (the parsed message's
 ``message_id`` is a fresh random id unless the publisher sets a ``message_id`` header). The
@@ -160,6 +164,16 @@ class _Redis:
             ):
                 return True
         return False
+
+    def delivered_before(self, message: StreamMessage[Any], subscriber: Any) -> bool:
+        """Did Redis hand this entry to a consumer before (the delivery budget's suspect)? A
+        subscriber with ``min_idle_time`` reads by ``XAUTOCLAIM`` alone, which only hands over
+        entries that were pending: delivered before, and not acked since (a retry, or the
+        entry of a consumer that died, maybe of this entry). Redis 8.4's ``XREADGROUP ...
+        CLAIM`` (``claim_min_idle_time``) mixes new and claimed entries in one read and is
+        taken for new: such a subscriber's crash loop is not cut short."""
+        stream = getattr(subscriber, "stream_sub", None)
+        return stream is not None and getattr(stream, "min_idle_time", None) is not None
 
     def source(self, message: StreamMessage[Any], subscriber: Any) -> str:
         return str(message.raw_message["channel"])

@@ -97,11 +97,11 @@ class _Settler(batch.SubscriberSide):
         # a delayed nak (NATS) or an entry left pending (Redis), or its delivery budget is spent
         if isinstance(self.transport, _Nats | _Redis):
             if self.idem.budget is not None:
-                await self.idem.budget.failed(message, verdict)
+                await self.idem.budget.failed(message, self.subscriber, verdict)
             await self.transport.retry_later(self, message, verdict)
             return
         if self.idem.budget is not None:
-            await self.idem.budget.failed(message, verdict)
+            await self.idem.budget.failed(message, self.subscriber, verdict)
         # a wait held for max_hold already: hand it back without spending the delivery budget
         if (
             self.transport.holds_waits
