@@ -1,10 +1,15 @@
 """Where a FastStream bench's idempotent side spends its extra time: one uncounted run, then
 one run under cProfile, of one side of one family; prints the rate, the socket sends (one per
 round trip to Postgres or to the broker; Confluent's go through librdkafka's threads and are
-not seen), the time idle in the event loop, and the hottest functions. Compare the two sides::
+not seen), the time idle in the event loop, and the hottest functions; then the CPU seconds
+per message of this process and of the scratch database's Postgres backends (read from
+``/proc``: Postgres on this machine). Compare the two sides::
 
     PYTHONPATH=$PWD .venv/bin/python -m benchmarks.profile_faststream nats idem 1500
     PYTHONPATH=$PWD .venv/bin/python -m benchmarks.profile_faststream nats plain 1500
+
+A fourth argument ``noprof`` measures the run without cProfile (the CPU figures then carry no
+profiler overhead).
 
 Families: nats (``PullSub`` of 32), redis, confluent (per message). Not part of ``make bench``.
 """
@@ -13,9 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import cProfile
+import os
 import pstats
 import sys
+import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -80,34 +88,75 @@ async def _confluent(pool: asyncpg.Pool, store: PostgresStore, idem: bool, count
         await admin.close()
 
 
-async def _profiled(run: Any) -> tuple[float, pstats.Stats]:
+#: set by `main`: profile the measured run
+_PROFILE = True
+#: the scratch database's pool, for its backends' CPU
+_POOL: Any = None
+
+
+async def _backend_cpu() -> dict[int, float]:
+    """CPU seconds so far of each Postgres backend connected to the scratch database."""
+    async with _POOL.acquire() as conn:
+        pids = await conn.fetch(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+        )
+    return _cpu_of([row["pid"] for row in pids])
+
+
+def _cpu_of(pids: list[int]) -> dict[int, float]:
+    """utime + stime of each of ``pids`` still running, in seconds."""
+    tick = os.sysconf("SC_CLK_TCK")
+    cpu: dict[int, float] = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        cpu[pid] = (int(fields[11]) + int(fields[12])) / tick
+    return cpu
+
+
+async def _profiled(run: Any) -> tuple[float, pstats.Stats | None, dict[str, float]]:
     profile = cProfile.Profile()
-    profile.enable()
+    before = await _backend_cpu()
+    started, cpu = time.perf_counter(), time.process_time()
+    if _PROFILE:
+        profile.enable()
     try:
         rate = await run
     finally:
         profile.disable()
-    return rate, pstats.Stats(profile)
+    spent = {"wall_s": time.perf_counter() - started, "python_cpu_s": time.process_time() - cpu}
+    after = await _backend_cpu()
+    spent["postgres_cpu_s"] = sum(t - before.get(pid, 0.0) for pid, t in after.items())
+    return rate, pstats.Stats(profile) if _PROFILE else None, spent
 
 
-async def main(family: str, side: str, count: int) -> None:
+async def main(family: str, side: str, count: int, profiled: bool) -> None:
+    global _PROFILE, _POOL
+    _PROFILE = profiled
     runner = {"nats": _nats, "redis": _redis, "confluent": _confluent}[family]
     async with scratch_database() as dsn:
         pool = await asyncpg.create_pool(dsn, min_size=4, max_size=40)
         assert pool is not None
+        _POOL = pool
         try:
             await ensure_tables(pool)
             store = PostgresStore(pool)
             await store.migrate()
-            rate, stats = await runner(pool, store, side == "idem", count)
+            rate, stats, spent = await runner(pool, store, side == "idem", count)
         finally:
             await pool.close()
-    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
-    seen = {label: (v[1], round(v[2], 3)) for k, v in raw.items() if (label := _COUNTED.get(k[2]))}
-    print(f"{family} {side}: {rate:.1f} msg/s (profiled), {count} messages, {seen}")
-    stats.sort_stats("tottime").print_stats(25)
+    per = {k.replace("_s", "_ms_per_msg"): round(v / count * 1000, 3) for k, v in spent.items()}
+    print(f"{family} {side}: {rate:.1f} msg/s, {count} messages, {per}")
+    if stats is not None:
+        raw: dict[Any, Any] = stats.stats
+        seen = {lab: (v[1], round(v[2], 3)) for k, v in raw.items() if (lab := _COUNTED.get(k[2]))}
+        print(f"profiled: {seen}")
+        stats.sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
     family, side = sys.argv[1], sys.argv[2]
-    asyncio.run(main(family, side, int(sys.argv[3]) if len(sys.argv) > 3 else 1000))
+    count = int(sys.argv[3]) if len(sys.argv) > 3 else 1000
+    asyncio.run(main(family, side, count, sys.argv[4:5] != ["noprof"]))
