@@ -223,6 +223,28 @@ async def test_redis_postgres_outage_holds_entries_pending_and_spends_no_deliver
     assert not await redis_client.exists(f"{stream}.dlq")
 
 
+async def start_pod(
+    redis_url: str, stream: str, consumer: str, scope: str, env: dict[str, str], *more: str
+) -> asyncio.subprocess.Process:
+    """A consumer process of group ``workers`` (`tests._redis_chaos_child`); ``more``: its
+    optional arguments (``max_deliveries``)."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests._redis_chaos_child",
+        redis_url,
+        stream,
+        "workers",
+        consumer,
+        scope,
+        *more,
+        cwd=ROOT,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+
+
 async def test_redis_sigkilled_consumers_entries_are_claimed_and_run_exactly_once(
     redis_url: str,
     redis_client: aioredis.Redis,
@@ -249,20 +271,7 @@ async def test_redis_sigkilled_consumers_entries_are_claimed_and_run_exactly_onc
     kills = 0
     try:
         for round_ in range(6):
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "tests._redis_chaos_child",
-                redis_url,
-                stream,
-                "workers",
-                f"pod-{round_}",
-                scope,
-                cwd=ROOT,
-                env=env,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.DEVNULL,
-            )
+            proc = await start_pod(redis_url, stream, f"pod-{round_}", scope, env)
             assert proc.stdout is not None
             line = await asyncio.wait_for(proc.stdout.readline(), timeout=30)
             assert json.loads(line)["event"] == "started", line
@@ -318,21 +327,7 @@ async def test_redis_entry_killing_the_consumer_is_dead_lettered_after_max_deliv
     proc = None
     try:
         for pod in range(5):  # max_deliveries=2: the first run, 2 counted runs, the dead letter
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "tests._redis_chaos_child",
-                redis_url,
-                stream,
-                "workers",
-                f"pod-{pod}",
-                scope,
-                "2",
-                cwd=ROOT,
-                env=env,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.DEVNULL,
-            )
+            proc = await start_pod(redis_url, stream, f"pod-{pod}", scope, env, "2")
             try:
                 await asyncio.wait_for(proc.wait(), timeout=8)  # claimed after 0.8 s idle
             except TimeoutError:
