@@ -1,7 +1,7 @@
 """Store scale on a many-core machine: ``run_transactional`` with one effect INSERT against
 the same INSERT committed raw, alternating rounds, N processes x C tasks each, one PostgreSQL.
-Prints one JSON line per level: the rates, their ratio, and the CPU per unit of every
-``postgres`` process on the machine (live and exited backends) and of the clients.
+Prints one JSON line per level: the rates, their ratio, and the CPU per unit of the
+PostgreSQL server (`benchmarks.pg_cpu`: live and exited backends) and of the clients.
 
 ``DSN=... PK=1 SECS=3 ROUNDS=3 python benchmarks/store_scale.py 1x1 2x8 8x8 16x8``; run by
 ``benchmarks/many_cores.sh`` on a machine where PostgreSQL runs nothing else.
@@ -13,10 +13,10 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from pathlib import Path
 
 import asyncpg
 
+from benchmarks.pg_cpu import postmaster_of, server_seconds
 from consumer_idem import PostgresStore, run_transactional
 
 EFFECT = "INSERT INTO bench_effects (id, customer_id, amount_cents) VALUES ($1, $2, $3)"
@@ -60,30 +60,15 @@ def child(args: tuple[str, int, float, str]) -> tuple[int, float]:
     return asyncio.run(one_proc(*args))
 
 
-def pg_ticks() -> int:
-    total = 0
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            s = Path(f"/proc/{d}/stat").read_text()
-        except OSError:
-            continue
-        if "(postgres)" in s:
-            f = s.rsplit(")", 1)[1].split()
-            total += (
-                int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])
-            )  # live + reaped children (backends)
-    return total
-
-
 CPU = {}
+#: the server's postmaster: its CPU and its children's (`benchmarks.pg_cpu`)
+POSTMASTER = 0
 
 
 def measure(mode: str, procs: int, conc: int, seconds: float, rnd: int) -> float:
     import resource
 
-    t0 = pg_ticks()
+    t0 = server_seconds(POSTMASTER)
     r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     p = mp.get_context("fork").Pool(procs)
     res = p.map(
@@ -91,13 +76,12 @@ def measure(mode: str, procs: int, conc: int, seconds: float, rnd: int) -> float
     )
     p.close()
     p.join()
-    t1 = pg_ticks()
+    t1 = server_seconds(POSTMASTER)
     r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     n = sum(c for c, _ in res)
-    hz = os.sysconf("SC_CLK_TCK")
     CPU.setdefault(mode, []).append(
         (
-            round((t1 - t0) / hz / max(n, 1) * 1e6),
+            round((t1 - t0) / max(n, 1) * 1e6),
             round(((r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)) / max(n, 1) * 1e6),
         )
     )
@@ -119,6 +103,7 @@ async def setup() -> None:
 
 if __name__ == "__main__":
     asyncio.run(setup())
+    POSTMASTER = asyncio.run(postmaster_of(DSN))
     levels = [(1, 1), (1, 16), (4, 4), (8, 8), (16, 8)]
     if len(sys.argv) > 1:
         levels = [tuple(map(int, x.split("x"))) for x in sys.argv[1:]]

@@ -94,14 +94,12 @@ class _Settler(batch.SubscriberSide):
         await self.transport.ack(message)
 
     async def retry_later(self, message: StreamMessage[Any], verdict: Verdict) -> None:
-        # a delayed nak (NATS) or an entry left pending (Redis), or its delivery budget is spent
-        if isinstance(self.transport, _Nats | _Redis):
-            if self.idem.budget is not None:
-                await self.idem.budget.failed(message, self.subscriber, verdict)
-            await self.transport.retry_later(self, message, verdict)
-            return
         if self.idem.budget is not None:
             await self.idem.budget.failed(message, self.subscriber, verdict)
+        # a delayed nak (NATS) or an entry left pending (Redis), or its delivery budget is spent
+        if isinstance(self.transport, _Nats | _Redis):
+            await self.transport.retry_later(self, message, verdict)
+            return
         # a wait held for max_hold already: hand it back without spending the delivery budget
         if (
             self.transport.holds_waits
