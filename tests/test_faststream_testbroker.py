@@ -239,6 +239,31 @@ async def test_every_kind_of_result_is_replayed_identically(
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_handler_returning_none_stores_sql_null_and_replays_none(
+    transport: str, store: PostgresStore, scope: str, pg_pool: asyncpg.Pool, effects: None
+) -> None:
+    """None is stored as the core stores it (SQL NULL, written by the claim: no UPDATE of the
+    row for the result), and a duplicate publishes what the first run published."""
+
+    async def body(data: Any, conn: asyncpg.Connection, current: Any) -> Any:
+        await write_effect(conn, current, data["n"])
+        return None
+
+    app = build(transport, store, scope, body)
+    async with app.test_broker(app.broker):
+        await app.publish({"n": 1}, "k1")
+        await app.publish({"n": 1}, "k1")
+        assert app.handler.mock.call_count == 1
+    record = await store.get(scope, "k1")
+    assert record is not None and record.status is Status.COMPLETED
+    assert record.result_json is None
+    assert await effect_count(pg_pool, scope) == 1
+    (first, first_headers), (again, again_headers) = app.out
+    assert first == again
+    assert first_headers.get("content-type") == again_headers.get("content-type")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_a_body_that_does_not_fit_the_handler_types_is_poison(
     transport: str, store: PostgresStore, scope: str
 ) -> None:

@@ -233,6 +233,11 @@ class Idempotency:
             outbox=None if conn is None else outbox_for(conn),
         )
         result = await _call(call, ctx, guarded(call.message))
+        if result is None:
+            # stored as SQL NULL, as the core stores None: the completion then writes nothing
+            # more than the claim did (an envelope was one UPDATE of the row per message),
+            # and a replay publishes None again, as the first run did
+            return None
         return dict(_ACK_ONLY) if result is _ACKED else _store_form(result)
 
     async def _handle_batch(self, messages: Sequence[ConsumerMessage], conn: Any) -> list[Any]:
