@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -93,6 +94,8 @@ class _Config:
     tracer: Any = None
     #: a global provider has been seen: OpenTelemetry sets it once and never replaces it
     global_set: bool = False
+    #: until when (``time.monotonic()``) a missing global provider is not asked for again
+    unset_until: float = 0.0
 
 
 _config = _Config()
@@ -123,6 +126,7 @@ def configure(
     _config.key_length = key_length
     _config.provider = tracer_provider
     _config.tracer = None
+    _config.unset_until = 0.0
 
 
 def key_attribute(key: str) -> str | None:
@@ -149,9 +153,15 @@ def active() -> bool:
         return False
     if _config.provider is not None or _config.global_set:
         return True
+    # Asking the API reads the environment each time (a few µs, several times a delivery):
+    # a missing provider is asked for again once a second, so one set later is seen then.
+    now = time.monotonic()
+    if now < _config.unset_until:
+        return False
     # the API's default provider (a proxy until one is set) makes only non-recording spans
     provider = _trace.get_tracer_provider()
     if isinstance(provider, _trace.ProxyTracerProvider | _trace.NoOpTracerProvider):
+        _config.unset_until = now + 1.0
         return False
     _config.global_set = True  # asked several times per delivery: remember the answer
     return True

@@ -493,3 +493,29 @@ async def test_under_faststreams_telemetry_the_delivery_span_is_its_internal_chi
     settle = one(traces.named(traces.spans(), "consumer_idem.settle"))
     assert settle.parent is not None and settle.parent.span_id == ours.context.span_id
     assert attrs(settle)["consumer_idem.settled"] == "acked"
+
+
+def test_a_global_provider_set_after_start_up_is_used_within_a_second() -> None:
+    """With no provider, whether spans are made is asked of the API at most once a second (it
+    reads the environment each time): one set later, while deliveries run, is used from then."""
+    script = textwrap.dedent(
+        """
+        import time
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        from consumer_idem import tracing
+
+        assert not tracing.active()
+        trace.set_tracer_provider(TracerProvider())
+        deadline = time.monotonic() + 1.5
+        while not tracing.active():
+            assert time.monotonic() < deadline, "the provider set later was never used"
+            time.sleep(0.05)
+        print("seen")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "seen"
