@@ -39,12 +39,15 @@ async def children() -> AsyncIterator[list[asyncio.subprocess.Process]]:
 
 
 async def start_child(
-    children: list[asyncio.subprocess.Process], pg_dsn: str, *args: str
+    children: list[asyncio.subprocess.Process],
+    pg_dsn: str,
+    *args: str,
+    module: str = "tests._faststream_nats_child",
 ) -> asyncio.subprocess.Process:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "tests._faststream_nats_child",
+        module,
         *args,
         cwd=ROOT_DIR,
         env=dict(os.environ, CONSUMER_IDEM_PG_DSN=pg_dsn),
@@ -158,3 +161,57 @@ async def test_nats_message_killing_the_consumer_is_dead_lettered_after_max_deli
     finally:
         await js.delete_stream(subject)
         await client.close()
+
+
+async def test_nats_batch_member_killing_the_consumer_is_dead_lettered_and_its_mates_run_once(
+    nats_url: str,
+    pg_dsn: str,
+    store: PostgresStore,  # migrated
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    effects: None,
+    children: list[asyncio.subprocess.Process],
+) -> None:
+    # one batch of six; each child SIGKILLs itself before the commit of any batch holding the
+    # poison: only the members' delivery budget (a redelivered member runs alone, counted in
+    # Postgres ahead of its handler) stops the crash loop
+    subject = unique("fsnbp")
+    client = await nats.connect(nats_url)
+    kills = 0
+    try:
+        js = client.jetstream()
+        await js.add_stream(api.StreamConfig(name=subject, subjects=[subject, f"{subject}.dlq"]))
+        for n, key in enumerate(["g0", "g1", "g2", "poison", "g3", "g4"]):
+            body = {"n": n, "poison": key == "poison"}
+            await js.publish(subject, json.dumps(body).encode(), headers={"idempotency-key": key})
+        child = "tests._faststream_nats_batch_child"
+        for _ in range(6):  # max_deliveries=2: 3 crashed runs, then the dead letter
+            proc = await start_child(children, pg_dsn, subject, scope, "2", module=child)
+            try:
+                await asyncio.wait_for(proc.wait(), timeout=8)  # > ack_wait: redelivered
+            except TimeoutError:
+                break  # still running: the poison is gone
+            assert proc.returncode == -signal.SIGKILL
+            kills += 1
+        # the batch's run (uncounted) and max_deliveries counted runs of the poison alone
+        assert kills == 3, f"{kills} crashed runs: the batch crash-loops"
+        try:
+
+            async def all_acked() -> bool:
+                info = await js.consumer_info(subject, "worker")
+                return info.num_pending == 0 and info.num_ack_pending == 0
+
+            await wait_until(all_acked, 15, "every member to be acked")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            out, _ = await asyncio.wait_for(proc.communicate(), timeout=30)
+        assert json.loads(out.splitlines()[-1])["dead_lettered"] == 1
+        dead = await js.get_last_msg(subject, f"{subject}.dlq")
+        assert dead.headers is not None
+        assert dead.headers["x-dead-letter-reason"] == "max_deliveries"
+        assert dead.headers["x-dead-letter-key"] == "poison"
+        assert json.loads(dead.data)["poison"] is True
+    finally:
+        await js.delete_stream(subject)
+        await client.close()
+    assert await effects_by_key(pg_pool, scope) == Counter({f"g{i}": 1 for i in range(5)})

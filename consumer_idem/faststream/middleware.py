@@ -20,7 +20,7 @@ from consumer_idem.consumer import (
 from consumer_idem.errors import (
     IdempotencyConfigError,
 )
-from consumer_idem.faststream import _compat, batch, startup
+from consumer_idem.faststream import _compat, batch, batch_budget, startup
 from consumer_idem.faststream.batch import (
     CurrentIdempotencyBatch as CurrentIdempotencyBatch,
 )
@@ -74,13 +74,15 @@ class _Middleware(BaseMiddleware):
         self.message = msg
         await idem.outbox_relay.first_delivery()
         if isinstance(msg.raw_message, tuple | list):  # a Kafka or NATS batch subscriber
-            self.members = batch.members(idem, self.subscriber, msg)
+            # NATS: a member delivered before runs alone, under the budget (batch_budget)
+            alone, together = batch_budget.split(idem, batch.members(idem, self.subscriber, msg))
+            self.members = alone + together
             ahead = None
-            if batch.innermost(self.subscriber, call_next):
-                ahead = batch.DecodedAhead(msg, self.members, self.context)
+            if together and batch.innermost(self.subscriber, call_next):
+                ahead = batch.DecodedAhead(msg, together, self.context)
             token = _CURRENT.set(_Call(call_next, msg, self.context, "", ahead))
             try:
-                verdicts = await idem.batch_consumer.process_batch(self.members, alongside=ahead)
+                verdicts = await batch_budget.process(idem, alone, together, ahead)
             finally:
                 _CURRENT.reset(token)
             result_type = idem.result_types.of(self.subscriber, batch=True)

@@ -8,7 +8,8 @@ notice is published through JetStream and confirmed first; then every member the
 settled is acked (``ack_sync``, all at once, each confirmed by the server); a member that must
 wait (a retry, its key in progress elsewhere, the store down), and the members the core did not
 reach after it, are ``nak``-ed with the wait's delay. A member whose handler failed on its
-``max_deliveries``-th delivery is dead-lettered, as a single message is.
+``max_deliveries``-th delivery is dead-lettered, as a single message is. A member JetStream
+delivered before ran alone, under the crash budget (`consumer_idem.faststream.batch_budget`).
 """
 
 from __future__ import annotations
