@@ -28,7 +28,6 @@ from consumer_idem.consumer import Verdict
 from consumer_idem.errors import IdempotencyConfigError
 from consumer_idem.faststream import _compat
 from consumer_idem.faststream.delivery_limit import exhausted
-from consumer_idem.faststream.nats_fetch import catch_fetch_timeouts
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.notice import KEY_HEADER, ORIGINAL_QUEUE, SCOPE_HEADER, Notice
 from consumer_idem.transports import settle
@@ -131,8 +130,8 @@ class _Nats:
         is (an operator's edit, an earlier deploy's settings), not to the subscriber's config,
         so the same checks apply to the server's copy before anything is fetched. (Run as the
         subscriber starts: its pull subscription's fetch timeouts are made one kind here too,
-        `consumer_idem.faststream.nats_fetch`.)"""
-        catch_fetch_timeouts(subscriber)
+        `consumer_idem.faststream._compat.catch_fetch_timeouts`.)"""
+        _compat.catch_fetch_timeouts(subscriber)
         from nats.js import JetStreamContext  # type: ignore[import-not-found, unused-ignore]
         from nats.js.errors import NotFoundError  # type: ignore[import-not-found, unused-ignore]
 
