@@ -1,0 +1,83 @@
+"""Adversarial cases of the FastStream middleware on a real Redis and NATS: what a reviewer
+tried to break (a lost message, a doubled effect, a loop with no end), each kept as a test."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+import redis.asyncio as aioredis
+from faststream.redis import RedisBroker, RedisRouter
+
+from consumer_idem import PostgresStore
+from consumer_idem.cli.settings import Settings
+from consumer_idem.faststream import CurrentIdempotency, Idempotency, IdempotentConnection
+from tests._faststream import effect_count, write_effect
+from tests._payments import wait_until
+from tests.conftest import unique
+from tests.test_faststream_redis import CLAIM_AFTER_MS, _encoded, idempotent_stream, pending
+
+
+@pytest.fixture
+async def stream(redis_client: aioredis.Redis) -> AsyncIterator[str]:
+    """A stream of its own (and its ``.dlq`` stream), deleted after."""
+    name = unique("fsrev")
+    yield name
+    await redis_client.delete(name, f"{name}.dlq")
+
+
+@pytest.fixture
+def redis_url(settings: Settings, redis_client: aioredis.Redis) -> str:
+    return settings.redis_url
+
+
+async def test_redis_entry_faststream_cannot_parse_is_dead_lettered_not_claimed_forever(
+    redis_url: str,
+    redis_client: aioredis.Redis,
+    store: PostgresStore,
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    effects: None,
+    stream: str,
+) -> None:
+    """An entry without FastStream's ``__data__`` field whose fields are not UTF-8 makes
+    FastStream's parser raise before the handler call: it is dead-lettered (reason
+    ``unparseable``, its fields kept byte for byte) and acked, instead of being claimed
+    again every ``min_idle_time`` for ever; the entry behind it runs once."""
+    await redis_client.xgroup_create(stream, "workers", id="0", mkstream=True)
+    bad = await redis_client.xadd(stream, {b"x": b"\xff\xfe"})
+    good = await _encoded({"n": 1}, {"idempotency-key": "k1"})
+    await redis_client.xadd(stream, {"__data__": good})
+    broker = RedisBroker(redis_url, logger=None)
+    idem = Idempotency(store, broker=broker, scope=scope, backoff=(0.05, 0.1), max_deliveries=3)
+    router = RedisRouter(middlewares=[idem])
+
+    @idempotent_stream(router, stream)
+    async def handle(
+        data: dict[str, Any], conn: IdempotentConnection, current: CurrentIdempotency
+    ) -> None:
+        await write_effect(conn, current, data["n"])
+
+    broker.include_router(router)
+    await broker.start()
+    try:
+
+        async def settled() -> bool:
+            return await pending(redis_client, stream) == 0 and idem.stats.executed == 1
+
+        await wait_until(settled, 10, "the bad entry dead-lettered, the good one run")
+        await asyncio.sleep(3 * CLAIM_AFTER_MS / 1000)  # nothing pending is claimed again
+        assert await pending(redis_client, stream) == 0
+    finally:
+        await broker.stop()
+    assert await effect_count(pg_pool, scope) == 1
+    [(_, dead)] = await redis_client.xrange(f"{stream}.dlq")
+    assert dead[b"x"] == b"\xff\xfe"  # the entry's own fields, byte for byte
+    assert dead[b"x-dead-letter-reason"] == b"unparseable"
+    assert b"UnicodeDecodeError" in dead[b"x-dead-letter-error"]
+    assert dead[b"x-original-queue"] == stream.encode()
+    assert dead[b"x-original-entry-id"] == bad
+    assert idem.stats.dead_lettered == 1
