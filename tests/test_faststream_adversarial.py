@@ -81,3 +81,65 @@ async def test_redis_entry_faststream_cannot_parse_is_dead_lettered_not_claimed_
     assert dead[b"x-original-queue"] == stream.encode()
     assert dead[b"x-original-entry-id"] == bad
     assert idem.stats.dead_lettered == 1
+
+
+async def test_redis_lock_wait_on_the_claim_spends_no_delivery_budget(
+    redis_url: str,
+    redis_client: aioredis.Redis,
+    store: PostgresStore,
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    pg_dsn: str,
+    effects: None,
+    stream: str,
+) -> None:
+    """A deployment whose role has a ``lock_timeout`` (common), while a maintenance statement
+    holds the records table (an index built without CONCURRENTLY, a migration): every claim
+    of the entry runs out of lock time and waits, the handler never starting. Each claimed
+    redelivery counted an attempt ahead of its handler and kept it, so after
+    ``max_deliveries`` waits the healthy entry was dead-lettered (``max_deliveries``) without
+    having run once. A counted run that only waited now gives its attempt back: the entry
+    runs once when the lock goes."""
+    impatient = await asyncpg.create_pool(
+        pg_dsn, min_size=1, max_size=4, server_settings={"lock_timeout": "200"}
+    )
+    assert impatient is not None
+    broker = RedisBroker(redis_url, logger=None)
+    idem = Idempotency(
+        PostgresStore(impatient, schema=store.schema),
+        broker=broker,
+        scope=scope,
+        backoff=(0.05, 0.1),
+        max_deliveries=2,
+    )
+    router = RedisRouter(middlewares=[idem])
+    runs: list[int] = []
+
+    @idempotent_stream(router, stream)
+    async def handle(
+        data: dict[str, Any], conn: IdempotentConnection, current: CurrentIdempotency
+    ) -> None:
+        runs.append(data["n"])
+        await write_effect(conn, current, data["n"])
+
+    broker.include_router(router)
+    await broker.start()
+    try:
+        async with pg_pool.acquire() as locker, locker.transaction():
+            await locker.execute(f"LOCK TABLE {store.table} IN ACCESS EXCLUSIVE MODE")
+            await broker.publish({"n": 1}, stream=stream, headers={"idempotency-key": "k1"})
+            await asyncio.sleep(3)
+            [entry] = await redis_client.xpending_range(stream, "workers", "-", "+", 5)
+            assert entry["times_delivered"] > 3  # claimed again and again, well past 2
+            assert runs == [] and idem.stats.dead_lettered == 0
+
+        async def settled() -> bool:
+            return await pending(redis_client, stream) == 0
+
+        await wait_until(settled, 15, "the entry run once the lock is gone")
+    finally:
+        await broker.stop()
+        await impatient.close()
+    assert runs == [1] and idem.stats.dead_lettered == 0 and idem.stats.executed == 1
+    assert await effect_count(pg_pool, scope) == 1
+    assert not await redis_client.exists(f"{stream}.dlq")
