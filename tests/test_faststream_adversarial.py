@@ -4,13 +4,14 @@ tried to break (a lost message, a doubled effect, a loop with no end), each kept
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import asyncpg
 import pytest
 import redis.asyncio as aioredis
-from faststream.redis import RedisBroker, RedisRouter
+from faststream import AckPolicy
+from faststream.redis import RedisBroker, RedisRouter, StreamSub
 
 from consumer_idem import PostgresStore
 from consumer_idem.cli.settings import Settings
@@ -143,3 +144,81 @@ async def test_redis_lock_wait_on_the_claim_spends_no_delivery_budget(
     assert runs == [1] and idem.stats.dead_lettered == 0 and idem.stats.executed == 1
     assert await effect_count(pg_pool, scope) == 1
     assert not await redis_client.exists(f"{stream}.dlq")
+
+
+def pod_stream(router: RedisRouter, stream: str, consumer: str) -> Callable[[Any], Any]:
+    """`idempotent_stream` for consumer ``consumer`` of group ``workers`` (another pod)."""
+
+    def decorate(handler: Any) -> Any:
+        reading = router.subscriber(
+            stream=StreamSub(stream, group="workers", consumer=consumer, max_records=10),
+            ack_policy=AckPolicy.MANUAL,
+        )
+        claiming = router.subscriber(
+            stream=StreamSub(
+                stream, group="workers", consumer=consumer, min_idle_time=CLAIM_AFTER_MS
+            ),
+            ack_policy=AckPolicy.MANUAL,
+        )
+        return reading(claiming(handler))
+
+    return decorate
+
+
+def _failing(runs: list[str], pod: str) -> Callable[..., Any]:
+    """A handler that records its pod's run and fails every time."""
+
+    async def handle(data: dict[str, Any]) -> None:
+        runs.append(pod)
+        raise ConnectionError("the far side refuses it")
+
+    return handle
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="an entry held in hand while its dead letter is retried is claimed by another "
+    "consumer, which dead-letters it too: two dead letters (fix: keep a held entry's idle "
+    "time below min_idle_time, XCLAIM ... JUSTID, while it is in hand)",
+)
+async def test_redis_dead_letter_retried_in_hand_is_written_once_with_two_consumers(
+    redis_url: str,
+    redis_client: aioredis.Redis,
+    store: PostgresStore,
+    scope: str,
+    effects: None,
+    stream: str,
+) -> None:
+    """A poison entry is due for its dead letter while ``<stream>.dlq`` refuses writes (a key
+    of another type: WRONGTYPE, fixed by an operator a few seconds later). The consumer holds
+    the entry in hand, retrying the dead letter; meanwhile it stays idle in the pending list,
+    so the other consumer's claiming subscriber takes it, finds its budget spent and
+    dead-letters it as well: once the operator fixes the key, both dead letters are written."""
+    await redis_client.set(f"{stream}.dlq", "not a stream")
+    runs: list[str] = []
+    brokers: list[RedisBroker] = []
+    for pod in ("w1", "w2"):
+        broker = RedisBroker(redis_url, logger=None)
+        idem = Idempotency(store, broker=broker, scope=scope, backoff=(0.05, 0.1), max_deliveries=2)
+        router = RedisRouter(middlewares=[idem])
+
+        pod_stream(router, stream, pod)(_failing(runs, pod))
+        broker.include_router(router)
+        brokers.append(broker)
+    try:
+        for broker in brokers:
+            await broker.start()
+        await brokers[0].publish({"n": 1}, stream=stream, headers={"idempotency-key": "p"})
+        await asyncio.sleep(3)  # the dead letter is refused meanwhile: held in hand
+        assert len(runs) == 2
+        await redis_client.delete(f"{stream}.dlq")  # the operator fixes the key
+
+        async def settled() -> bool:
+            return await pending(redis_client, stream) == 0
+
+        await wait_until(settled, 30, "the poison dead-lettered and acked")
+        await asyncio.sleep(2)  # a second holder's retry would land meanwhile
+    finally:
+        for broker in brokers:
+            await broker.stop()
+    assert len(await redis_client.xrange(f"{stream}.dlq")) == 1
