@@ -11,6 +11,7 @@ import asyncpg
 import pytest
 import redis.asyncio as aioredis
 from faststream import AckPolicy
+from faststream.nats import NatsBroker, NatsRouter
 from faststream.redis import RedisBroker, RedisRouter, StreamSub
 
 from consumer_idem import PostgresStore
@@ -19,6 +20,8 @@ from consumer_idem.faststream import CurrentIdempotency, Idempotency, Idempotent
 from tests._faststream import effect_count, write_effect
 from tests._payments import wait_until
 from tests.conftest import unique
+from tests.test_faststream_nats import pending as nats_pending
+from tests.test_faststream_nats import stream_of
 from tests.test_faststream_redis import CLAIM_AFTER_MS, _encoded, idempotent_stream, pending
 
 
@@ -28,6 +31,22 @@ async def stream(redis_client: aioredis.Redis) -> AsyncIterator[str]:
     name = unique("fsrev")
     yield name
     await redis_client.delete(name, f"{name}.dlq")
+
+
+@pytest.fixture
+async def subject(nats_url: str) -> AsyncIterator[str]:
+    """A NATS subject in a JetStream stream of its own, deleted after."""
+    import nats
+
+    name = unique("fsrev")
+    yield name
+    client = await nats.connect(nats_url)
+    try:
+        await client.jsm().delete_stream(name)
+    except Exception:  # never created
+        pass
+    finally:
+        await client.close()
 
 
 @pytest.fixture
@@ -222,3 +241,61 @@ async def test_redis_dead_letter_retried_in_hand_is_written_once_with_two_consum
         for broker in brokers:
             await broker.stop()
     assert len(await redis_client.xrange(f"{stream}.dlq")) == 1
+
+
+async def test_nats_lock_wait_on_the_claim_spends_no_delivery_budget(
+    nats_url: str,
+    store: PostgresStore,
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    pg_dsn: str,
+    effects: None,
+    subject: str,
+) -> None:
+    """The Redis case above on JetStream, which naks a wait and redelivers it
+    (``num_delivered`` above 1: counted ahead of its handler): a lock wait on the records
+    table must not dead-letter a message that never ran."""
+    impatient = await asyncpg.create_pool(
+        pg_dsn, min_size=1, max_size=4, server_settings={"lock_timeout": "200"}
+    )
+    assert impatient is not None
+    broker = NatsBroker(nats_url)
+    idem = Idempotency(
+        PostgresStore(impatient, schema=store.schema),
+        broker=broker,
+        scope=scope,
+        backoff=(0.05, 0.1),
+        max_deliveries=2,
+    )
+    router = NatsRouter(middlewares=[idem])
+    runs: list[int] = []
+
+    @router.subscriber(
+        subject, stream=stream_of(subject), durable="worker", ack_policy=AckPolicy.MANUAL
+    )
+    async def handle(
+        data: dict[str, Any], conn: IdempotentConnection, current: CurrentIdempotency
+    ) -> None:
+        runs.append(data["n"])
+        await write_effect(conn, current, data["n"])
+
+    broker.include_router(router)
+    await broker.start()
+    try:
+        async with pg_pool.acquire() as locker, locker.transaction():
+            await locker.execute(f"LOCK TABLE {store.table} IN ACCESS EXCLUSIVE MODE")
+            await broker.publish({"n": 1}, subject, headers={"idempotency-key": "k1"})
+            await asyncio.sleep(3)
+            assert idem.stats.retries > 3  # naked and redelivered again and again
+            assert runs == [] and idem.stats.dead_lettered == 0
+
+        async def settled() -> bool:
+            return idem.stats.processed >= 1
+
+        await wait_until(settled, 15, "the message run once the lock is gone")
+    finally:
+        await broker.stop()
+        await impatient.close()
+    assert runs == [1] and idem.stats.dead_lettered == 0 and idem.stats.executed == 1
+    assert await effect_count(pg_pool, scope) == 1
+    assert await nats_pending(nats_url, subject) == (0, 0)
