@@ -194,12 +194,6 @@ def _failing(runs: list[str], pod: str) -> Callable[..., Any]:
     return handle
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an entry held in hand while its dead letter is retried is claimed by another "
-    "consumer, which dead-letters it too: two dead letters (fix: keep a held entry's idle "
-    "time below min_idle_time, XCLAIM ... JUSTID, while it is in hand)",
-)
 async def test_redis_dead_letter_retried_in_hand_is_written_once_with_two_consumers(
     redis_url: str,
     redis_client: aioredis.Redis,
@@ -212,7 +206,9 @@ async def test_redis_dead_letter_retried_in_hand_is_written_once_with_two_consum
     of another type: WRONGTYPE, fixed by an operator a few seconds later). The consumer holds
     the entry in hand, retrying the dead letter; meanwhile it stays idle in the pending list,
     so the other consumer's claiming subscriber takes it, finds its budget spent and
-    dead-letters it as well: once the operator fixes the key, both dead letters are written."""
+    dead-letters it as well: once the operator fixes the key, both dead letters were written.
+    The holder now keeps the entry claimed while it is in hand (``XCLAIM ... JUSTID``): the
+    other consumer never takes it, and one dead letter is written."""
     await redis_client.set(f"{stream}.dlq", "not a stream")
     runs: list[str] = []
     brokers: list[RedisBroker] = []
@@ -229,7 +225,7 @@ async def test_redis_dead_letter_retried_in_hand_is_written_once_with_two_consum
             await broker.start()
         await brokers[0].publish({"n": 1}, stream=stream, headers={"idempotency-key": "p"})
         await asyncio.sleep(3)  # the dead letter is refused meanwhile: held in hand
-        assert len(runs) == 2
+        assert len(runs) == 2  # the first run, then one claimed run: none while held
         await redis_client.delete(f"{stream}.dlq")  # the operator fixes the key
 
         async def settled() -> bool:
@@ -299,3 +295,57 @@ async def test_nats_lock_wait_on_the_claim_spends_no_delivery_budget(
     assert runs == [1] and idem.stats.dead_lettered == 0 and idem.stats.executed == 1
     assert await effect_count(pg_pool, scope) == 1
     assert await nats_pending(nats_url, subject) == (0, 0)
+
+
+async def test_redis_entry_whose_handler_outlasts_min_idle_time_stays_with_its_consumer(
+    redis_url: str,
+    redis_client: aioredis.Redis,
+    store: PostgresStore,
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    effects: None,
+    stream: str,
+) -> None:
+    """A handler running four times ``min_idle_time``, two consumers: the entry in hand is kept
+    claimed, so the other consumer never takes it (no second delivery, no replay)."""
+    runs: list[str] = []
+    brokers: list[RedisBroker] = []
+    idems: list[Idempotency] = []
+    for pod in ("w1", "w2"):
+        broker = RedisBroker(redis_url, logger=None)
+        idem = Idempotency(store, broker=broker, scope=scope, backoff=(0.05, 0.1))
+        router = RedisRouter(middlewares=[idem])
+        pod_stream(router, stream, pod)(_slow(runs, pod, 4 * CLAIM_AFTER_MS / 1000))
+        broker.include_router(router)
+        brokers.append(broker)
+        idems.append(idem)
+    try:
+        for broker in brokers:
+            await broker.start()
+        await brokers[0].publish({"n": 1}, stream=stream, headers={"idempotency-key": "slow"})
+
+        async def settled() -> bool:
+            return sum(i.stats.processed for i in idems) >= 1
+
+        await wait_until(settled, 15, "the slow entry settled")
+        await asyncio.sleep(2 * CLAIM_AFTER_MS / 1000)
+    finally:
+        for broker in brokers:
+            await broker.stop()
+    assert len(runs) == 1
+    assert sum(i.stats.duplicates for i in idems) == 0  # never delivered to the other
+    assert await pending(redis_client, stream) == 0
+    assert await effect_count(pg_pool, scope) == 1
+
+
+def _slow(runs: list[str], pod: str, seconds: float) -> Callable[..., Any]:
+    """A handler that records its pod's run, takes ``seconds``, then writes its effect."""
+
+    async def handle(
+        data: dict[str, Any], conn: IdempotentConnection, current: CurrentIdempotency
+    ) -> None:
+        runs.append(pod)
+        await asyncio.sleep(seconds)
+        await write_effect(conn, current, data["n"])
+
+    return handle
