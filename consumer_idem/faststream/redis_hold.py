@@ -33,12 +33,20 @@ class Keeper:
     """Claims one entry for its consumer again and again, until stopped."""
 
     def __init__(self, client: Any, raw: Any, stream: Any, every: float) -> None:
-        self._task = asyncio.create_task(self._keep(client, raw, stream, every))
+        # the task running the delivery (the subscriber's loop): should it end without stop()
+        # (cancelled past the middleware's exit), claiming ends with it, and the entry goes
+        # idle for the claiming subscribers
+        owner = asyncio.current_task()
+        self._task = asyncio.create_task(self._keep(client, raw, stream, every, owner))
 
     @staticmethod
-    async def _keep(client: Any, raw: Any, stream: Any, every: float) -> None:
+    async def _keep(
+        client: Any, raw: Any, stream: Any, every: float, owner: asyncio.Task[Any] | None
+    ) -> None:
         while True:
             await asyncio.sleep(every)
+            if owner is not None and owner.done():
+                return
             try:
                 await client.xclaim(
                     raw["channel"],
