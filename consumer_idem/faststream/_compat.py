@@ -180,6 +180,17 @@ def on_subscriber_start(hook: Callable[[Any], Awaitable[None]]) -> None:
 _HOOKED = "_consumer_idem_start_hooks"
 
 
+def redis_client(broker: Any) -> Any:
+    """The ``redis.asyncio.Redis`` client of a started ``RedisBroker``. FastStream publishes
+    only its own message format (one ``__data__`` field), so an entry copied field for field
+    needs the client, which it keeps in the private ``_connection`` (set on connect). Checked:
+    0.7.8."""
+    client = getattr(broker, "_connection", None)
+    if client is None:
+        raise RuntimeError("the RedisBroker is not connected (or keeps no _connection)")
+    return client
+
+
 # --- NATS pull subscribers: a fetch that never drops what it already holds -----------------
 # A NATS pull subscriber's fetch that never drops the messages it already holds.
 #

@@ -20,7 +20,7 @@ from consumer_idem.consumer import (
 from consumer_idem.errors import (
     IdempotencyConfigError,
 )
-from consumer_idem.faststream import _compat, batch, batch_budget, startup
+from consumer_idem.faststream import _compat, batch, batch_budget, redis_hold, startup
 from consumer_idem.faststream.batch import (
     CurrentIdempotencyBatch as CurrentIdempotencyBatch,
 )
@@ -55,6 +55,8 @@ class _Middleware(BaseMiddleware):
         #: first that must wait)
         self.members: list[ConsumerMessage] | None = None
         self.verdicts: list[Verdict] | None = None
+        #: a Redis entry kept claimed while in hand (`consumer_idem.faststream.redis_hold`)
+        self.keeper: redis_hold.Keeper | None = None
 
     async def consume_scope(
         self, call_next: Callable[[StreamMessage[Any]], Awaitable[Any]], msg: StreamMessage[Any]
@@ -72,6 +74,7 @@ class _Middleware(BaseMiddleware):
                 "ack_policy=AckPolicy.MANUAL"
             )
         self.message = msg
+        self.keeper = redis_hold.keep(idem, msg, self.subscriber)  # until after_processed
         await idem.outbox_relay.first_delivery()
         if isinstance(msg.raw_message, tuple | list):  # a Kafka or NATS batch subscriber
             # NATS: a member delivered before runs alone, under the budget (batch_budget)
@@ -164,6 +167,13 @@ class _Middleware(BaseMiddleware):
         exc_val: BaseException | None = None,
         exc_tb: TracebackType | None = None,
     ) -> bool | None:
+        try:
+            return await self._settle(exc_val)
+        finally:
+            if self.keeper is not None:
+                self.keeper.stop()
+
+    async def _settle(self, exc_val: BaseException | None) -> bool | None:
         message, verdict = self.message, self.verdict
         if isinstance(exc_val, IdempotencyConfigError | asyncio.CancelledError):
             return False  # never ours to settle (or shutting down: it is delivered again)

@@ -51,9 +51,12 @@ async def settle_unrouted(idem: Idempotency, context: Any, raw: Any) -> bool:
     middleware's handler call; False when it is not one to settle here (it is handed back).
     Whatever FastStream's error was (an exception middleware inside this one may have
     swallowed it), the delivery is routed again to find out."""
+    from consumer_idem.faststream import redis_unrouted
     from consumer_idem.faststream.kafka_side import _Kafka
 
     subscriber = _compat.current_subscriber(context)
+    if subscriber is not None and redis_unrouted.is_stream_entry(raw):
+        return await redis_unrouted.settle_unrouted(idem, subscriber, raw)
     records = kafka_records(idem, raw)
     if subscriber is None or not records:
         return False

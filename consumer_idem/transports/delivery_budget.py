@@ -23,12 +23,16 @@ So the broker's counter is only a hint here:
   record (or one proven not executed, or expired) is dead-lettered, reason
   ``max_deliveries``.
 * A store outage while counting or reading is a wait (the delivery is held and tried again):
-  it never spends the budget and never dead-letters.
+  it never spends the budget and never dead-letters. Nor does a counted run that only waited
+  (the claim met a lock wait, an outage, or another owner of the key): its attempt is taken
+  back. Brokers that hand a wait back (Redis, NATS) redeliver it as a suspect again, which
+  would otherwise spend the budget of a key whose handler never started.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -38,6 +42,9 @@ from consumer_idem.errors import ConsumerIdemError, StoreUnavailable
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.stores.postgres.attempts import DeliveryAttempts
 from consumer_idem.transports.run_gate import process_gate
+from consumer_idem.transports.settle import is_wait
+
+log = logging.getLogger("consumer_idem.transports")
 
 V = TypeVar("V")
 
@@ -80,9 +87,26 @@ class DeliveryBudget:
                 refused = await self.admit(key, counted)
                 if refused is not None:
                     return refused
-                return await run(message, key, fingerprint)
+                verdict = await run(message, key, fingerprint)
+                if counted and counted[0] and is_wait(verdict):
+                    await self._give_back(key, counted)
+                return verdict
 
         return attempt
+
+    async def _give_back(self, key: str, counted: list[int]) -> None:
+        """A counted run only waited (the store did not answer, or another owner holds the
+        key): its handler never started, so its attempt is taken back, and the next try of
+        the delivery counts itself again. A broker that hands a wait back (Redis, NATS)
+        would otherwise spend the budget of a key that never ran on every redelivery of a
+        wait, then dead-letter it. While the store does not answer even that, the attempt
+        stays spent (one per suspect that was running as the outage began)."""
+        try:
+            await self.attempts.give_back(self.consumer.scope, key)
+        except ConsumerIdemError as exc:
+            log.warning("scope=%s key=%s: attempt kept: %r", self.consumer.scope, key, exc)
+            return
+        counted.clear()
 
     async def admit(self, key: str, counted: list[int]) -> Verdict | None:
         """A redelivered delivery of ``key``, inside ``process_gate().alone()``: counted once

@@ -41,6 +41,21 @@ class DeliveryAttempts:
         )
         return None if counted is None else int(counted)
 
+    async def give_back(self, scope: str, key: str) -> None:
+        """Take back one attempt of ``key`` counted for a run that only waited (for the store,
+        or for another owner of the key): its handler never started, so it spent nothing.
+        Raises the store's error."""
+        sql = (
+            f"UPDATE {self.table} SET attempts = attempts - 1"
+            " WHERE scope = $1 AND key = $2 AND attempts > 0"
+        )
+        await self.store.run(
+            "count_attempt",
+            scope,
+            None,
+            lambda c: c.execute(sql, scope, key, timeout=self.store.command_timeout),
+        )
+
     def forget_pruned(self, pruned: str) -> str:
         """A data-modifying CTE body that deletes the attempts of the keys in the CTE
         ``pruned`` (its ``scope`` and ``key``): a record pruned (or soft-expired) makes its key

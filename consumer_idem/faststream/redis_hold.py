@@ -1,0 +1,91 @@
+"""A Redis stream entry kept claimed while it is in hand.
+
+Redis hands a pending entry to another consumer's claiming subscriber (``XAUTOCLAIM``) once it
+has been idle for ``min_idle_time``, and an entry is idle for as long as its consumer holds it
+in hand: while its handler runs, or while its dead letter is retried because Redis refuses it.
+Taken by another consumer meanwhile, it is settled twice: a replay at best, a second dead
+letter at worst. So while the middleware holds an entry, it claims it again for its own
+consumer every third of the group's ``min_idle_time`` (``XCLAIM ... JUSTID``: its idle time
+starts afresh and its delivery count stays), and stops once the entry is settled or handed
+back for a retry (then it goes idle, and the claiming subscriber takes it in time). A consumer
+that dies stops claiming, and the others take its entries as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+from consumer_idem.faststream import _compat
+from consumer_idem.faststream.redis_side import _claims, _Redis
+
+if TYPE_CHECKING:
+    from faststream import StreamMessage
+
+    from consumer_idem.faststream import Idempotency
+
+log = logging.getLogger("consumer_idem.faststream")
+
+
+class Keeper:
+    """Claims one entry for its consumer again and again, until stopped."""
+
+    def __init__(self, client: Any, raw: Any, stream: Any, every: float) -> None:
+        # the task running the delivery (the subscriber's loop): should it end without stop()
+        # (cancelled past the middleware's exit), claiming ends with it, and the entry goes
+        # idle for the claiming subscribers
+        owner = asyncio.current_task()
+        self._task = asyncio.create_task(self._keep(client, raw, stream, every, owner))
+
+    @staticmethod
+    async def _keep(
+        client: Any, raw: Any, stream: Any, every: float, owner: asyncio.Task[Any] | None
+    ) -> None:
+        while True:
+            await asyncio.sleep(every)
+            if owner is not None and owner.done():
+                return
+            try:
+                await client.xclaim(
+                    raw["channel"],
+                    stream.group,
+                    stream.consumer,
+                    0,
+                    list(raw["message_ids"]),
+                    justid=True,
+                )
+            except Exception as exc:  # Redis unreachable: nothing to keep it from anyway
+                log.debug("could not keep entry %r claimed: %r", raw["message_ids"], exc)
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+def keep(idem: Idempotency, message: StreamMessage[Any], subscriber: Any) -> Keeper | None:
+    """Start keeping ``message`` claimed while it is in hand (Redis stream entries only)."""
+    if not isinstance(idem.transport, _Redis):
+        return None
+    stream = getattr(subscriber, "stream_sub", None)
+    raw = message.raw_message
+    if stream is None or not stream.group or not isinstance(raw, dict):
+        return None
+    idle = _claim_after_ms(idem.broker, stream)
+    if idle is None:
+        return None
+    with contextlib.suppress(RuntimeError):  # a test broker: no client, nothing claims
+        return Keeper(_compat.redis_client(idem.broker), raw, stream, idle / 3000)
+    return None
+
+
+def _claim_after_ms(broker: Any, stream: Any) -> int | None:
+    """The shortest ``min_idle_time`` after which a subscriber of ``broker`` claims the
+    pending entries of ``stream``'s group (None: none does)."""
+    idle: list[int] = [
+        int(getattr(sub, "min_idle_time", None) or getattr(sub, "claim_min_idle_time", None) or 0)
+        for sub in (getattr(s, "stream_sub", None) for s in getattr(broker, "subscribers", ()))
+        if sub is not None and sub.name == stream.name and sub.group == stream.group
+        if _claims(sub)
+    ]
+    return min(idle) if idle else None
