@@ -73,8 +73,8 @@ class _Middleware(BaseMiddleware):
             )
         self.message = msg
         await idem.outbox_relay.first_delivery()
-        if isinstance(msg.raw_message, tuple | list):  # a Kafka or NATS batch subscriber
-            self.members = batch.members(idem, self.subscriber, msg)
+        if batch.is_batch(msg):  # a Kafka, NATS or Redis batch subscriber
+            self.members = await batch.members(idem, self.subscriber, msg)
             ahead = None
             if batch.innermost(self.subscriber, call_next):
                 ahead = batch.DecodedAhead(msg, self.members, self.context)
