@@ -18,7 +18,8 @@ the store down, a publish not confirmed) is sought back to that record after the
 the records after it are delivered again, and none before it.
 
 A NATS batch is decided the same way and settled per message, in no order
-(`consumer_idem.faststream.nats_batch`).
+(`consumer_idem.faststream.nats_batch`); so is a Redis stream batch, per entry
+(`consumer_idem.faststream.redis_batch`).
 
 A batch subscriber publishes nothing through FastStream: its return value would be one message
 for the whole batch, which a redelivery of part of it could not reproduce. The middleware
