@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
@@ -266,3 +268,148 @@ async def test_redis_batch_reader_without_a_claiming_subscriber_is_refused_at_st
     with pytest.raises(IdempotencyConfigError, match=r"nothing claims"):
         await broker.start()
     await broker.stop()
+
+
+async def test_redis_batch_entry_killing_the_consumer_is_dead_lettered_after_max_deliveries(
+    redis_url: str,
+    redis_client: aioredis.Redis,
+    pg_dsn: str,
+    pg_pool: asyncpg.Pool,
+    store: PostgresStore,
+    scope: str,
+    effects: None,
+    stream: str,
+) -> None:
+    """A batch member whose handler SIGKILLs the process never fails: the whole batch stays
+    pending, the single-entry claimer takes each entry back alone, counted in Postgres, and the
+    killer is dead-lettered after ``max_deliveries`` counted runs; the others run once."""
+    from tests.test_faststream_redis import start_pod
+
+    await add(redis_client, stream, [("poison", {"n": 0, "kill": True})])
+    await add(redis_client, stream, [(f"k{n}", {"n": n}) for n in range(1, 4)])
+    env = dict(os.environ, CONSUMER_IDEM_PG_DSN=pg_dsn)
+    kills = 0
+    proc = None
+    try:
+        for pod in range(5):  # max_deliveries=2: the batch, 2 counted runs, the dead letter
+            proc = await start_pod(redis_url, stream, f"pod-{pod}", scope, env, "2", "batch")
+            try:
+                await asyncio.wait_for(proc.wait(), timeout=8)  # claimed after 0.8 s idle
+            except TimeoutError:
+                break  # alive: the poison was dead-lettered
+            assert proc.returncode == -signal.SIGKILL
+            kills += 1
+
+        async def settled() -> bool:
+            done = sum((await effects_by_key(pg_pool, scope)).values()) == 3
+            return done and await pending(redis_client, stream) == 0
+
+        await wait_until(settled, 20, "the poison dead-lettered and the rest run")
+    finally:
+        if proc is not None and proc.returncode is None:
+            proc.send_signal(signal.SIGKILL)
+            await proc.wait()
+    assert kills == 3  # the batch's run (uncounted), then max_deliveries counted runs
+    [(_, dead)] = await redis_client.xrange(f"{stream}.dlq")
+    body, headers = BinaryMessageFormatV1.parse(dead[b"__data__"])
+    assert json.loads(body) == {"n": 0, "kill": True}
+    assert headers["x-dead-letter-reason"] == "max_deliveries"
+    assert headers["x-dead-letter-key"] == "poison"
+    assert await effects_by_key(pg_pool, scope) == Counter({"k1": 1, "k2": 1, "k3": 1})
+
+
+async def test_redis_batch_waits_while_a_claimed_entry_runs_alone(
+    redis_url: str,
+    redis_client: aioredis.Redis,
+    store: PostgresStore,
+    scope: str,
+    pg_pool: asyncpg.Pool,
+    effects: None,
+    stream: str,
+) -> None:
+    """A claimed entry (delivered before: maybe what killed the last consumer) runs alone in
+    its process: a batch of new entries read meanwhile waits for it, so a crash it causes takes
+    no batch with it."""
+    broker = RedisBroker(redis_url, logger=None)
+    idem = Idempotency(store, broker=broker, scope=scope, backoff=(0.05, 0.2))
+    router = RedisRouter(middlewares=[idem])
+    claimed_running = asyncio.Event()
+    beside: list[bool] = []  # per batch call: did it run while the claimed entry ran?
+
+    @router.subscriber(
+        stream=StreamSub(stream, group="workers", consumer="w1", batch=True, max_records=10),
+        ack_policy=AckPolicy.MANUAL,
+    )
+    async def read(bodies: list[dict[str, Any]], current: CurrentIdempotencyBatch) -> None:
+        if any(body.get("slow") for body in bodies):
+            raise ConnectionError("fails on its first delivery: left pending, then claimed")
+        beside.append(claimed_running.is_set())
+
+    @router.subscriber(
+        stream=StreamSub(stream, group="workers", consumer="w1", min_idle_time=CLAIM_AFTER_MS),
+        ack_policy=AckPolicy.MANUAL,
+    )
+    async def claim(body: dict[str, Any]) -> None:
+        claimed_running.set()
+        await asyncio.sleep(1.5)
+        claimed_running.clear()
+
+    broker.include_router(router)
+    await broker.start()
+    try:
+        await add(redis_client, stream, [("slow", {"n": 0, "slow": True})])
+        await asyncio.wait_for(claimed_running.wait(), 10)
+        await add(redis_client, stream, [(f"k{n}", {"n": n}) for n in range(1, 6)])
+
+        async def settled() -> bool:
+            return idem.stats.processed >= 6 and await pending(redis_client, stream) == 0
+
+        await wait_until(settled, 20, "the claimed entry and the batch settled")
+    finally:
+        await broker.stop()
+    assert beside and not any(beside)
+
+
+async def test_redis_batch_members_failed_run_counts_toward_max_deliveries(
+    redis_url: str,
+    redis_client: aioredis.Redis,
+    pg_dsn: str,
+    pg_pool: asyncpg.Pool,
+    store: PostgresStore,
+    scope: str,
+    effects: None,
+    stream: str,
+) -> None:
+    """A member's failed run in a batch (a first delivery) counts one attempt of its key, as a
+    single entry's does: after it, the claimed entry that kills the process runs only until
+    ``max_deliveries`` attempts in all, then is dead-lettered."""
+    from tests.test_faststream_redis import start_pod
+
+    await add(redis_client, stream, [("poison", {"n": 0, "kill": True, "fail_in_batch": True})])
+    await add(redis_client, stream, [(f"k{n}", {"n": n}) for n in range(1, 4)])
+    env = dict(os.environ, CONSUMER_IDEM_PG_DSN=pg_dsn)
+    kills = 0
+    proc = None
+    try:
+        for pod in range(5):
+            proc = await start_pod(redis_url, stream, f"pod-{pod}", scope, env, "2", "batch")
+            try:
+                await asyncio.wait_for(proc.wait(), timeout=8)
+            except TimeoutError:
+                break  # alive: the poison was dead-lettered
+            assert proc.returncode == -signal.SIGKILL
+            kills += 1
+
+        async def settled() -> bool:
+            done = sum((await effects_by_key(pg_pool, scope)).values()) == 3
+            return done and await pending(redis_client, stream) == 0
+
+        await wait_until(settled, 20, "the poison dead-lettered and the rest run")
+    finally:
+        if proc is not None and proc.returncode is None:
+            proc.send_signal(signal.SIGKILL)
+            await proc.wait()
+    assert kills == 1  # the batch's failed run (counted), then one counted run that kills
+    [(_, dead)] = await redis_client.xrange(f"{stream}.dlq")
+    assert BinaryMessageFormatV1.parse(dead[b"__data__"])[1]["x-dead-letter-key"] == "poison"
+    assert await effects_by_key(pg_pool, scope) == Counter({"k1": 1, "k2": 1, "k3": 1})

@@ -79,8 +79,13 @@ class _Middleware(BaseMiddleware):
             if batch.innermost(self.subscriber, call_next):
                 ahead = batch.DecodedAhead(msg, self.members, self.context)
             token = _CURRENT.set(_Call(call_next, msg, self.context, "", ahead))
+            run_batch: Callable[[], Awaitable[list[Verdict]]] = functools.partial(
+                idem.batch_consumer.process_batch, self.members, alongside=ahead
+            )
+            if idem.budget is not None:  # a batch is first deliveries: never beside a suspect
+                run_batch = idem.budget.budget.fresh(run_batch)
             try:
-                verdicts = await idem.batch_consumer.process_batch(self.members, alongside=ahead)
+                verdicts = await run_batch()
             finally:
                 _CURRENT.reset(token)
             result_type = idem.result_types.of(self.subscriber, batch=True)

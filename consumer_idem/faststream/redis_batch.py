@@ -117,6 +117,8 @@ class _RedisBatchSettler(SubscriberSide):
         self.acks.append(entry_id(delivery.incoming))
 
     async def retry_later(self, delivery: _Member, verdict: Verdict) -> None:
+        if self.idem.budget is not None:  # a first delivery's failed run counts now
+            await self.idem.budget.failed(delivery.message, self.subscriber, verdict)
         limit = self.idem.max_deliveries
         if limit is not None and not settle.is_wait(verdict):
             try:
