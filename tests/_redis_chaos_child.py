@@ -3,7 +3,11 @@
 (``XAUTOCLAIM``) of a consumer group, through the Idempotency middleware.
 
     python -m tests._redis_chaos_child <redis_url> <stream> <group> <consumer> <scope> \
-        [max_deliveries]
+        [max_deliveries] [batch]
+
+With ``batch``, the reading subscriber is a batch one (``StreamSub(..., batch=True)``, its own
+handler over the list of bodies); the claiming subscriber stays a single-entry one. A message
+whose body says ``"fail_in_batch": true`` fails in the batch handler (and kills in the other).
 
 Prints ``{"event": "started"}`` once the broker reads; runs until killed. The DSN comes from
 ``CONSUMER_IDEM_PG_DSN``; each message's effect goes to ``fs_effects`` in its transaction. A
@@ -24,7 +28,12 @@ from faststream import AckPolicy
 from faststream.redis import RedisBroker, RedisRouter, StreamSub
 
 from consumer_idem import PostgresStore
-from consumer_idem.faststream import CurrentIdempotency, Idempotency, IdempotentConnection
+from consumer_idem.faststream import (
+    CurrentIdempotency,
+    CurrentIdempotencyBatch,
+    Idempotency,
+    IdempotentConnection,
+)
 from tests._faststream import write_effect
 
 #: how long an entry stays pending before the claiming subscriber takes it (ms)
@@ -32,7 +41,13 @@ CLAIM_AFTER_MS = 800
 
 
 async def main(
-    redis_url: str, stream: str, group: str, consumer: str, scope: str, limit: str = ""
+    redis_url: str,
+    stream: str,
+    group: str,
+    consumer: str,
+    scope: str,
+    limit: str = "",
+    batch: str = "",
 ) -> None:
     pool = await asyncpg.create_pool(os.environ["CONSUMER_IDEM_PG_DSN"], min_size=1)
     assert pool is not None
@@ -42,14 +57,15 @@ async def main(
     idem = Idempotency(store, broker=broker, scope=scope, backoff=(0.05, 0.2), **budget)
     router = RedisRouter(middlewares=[idem])
 
-    @router.subscriber(
-        stream=StreamSub(stream, group=group, consumer=consumer, max_records=10),
-        ack_policy=AckPolicy.MANUAL,
-    )
-    @router.subscriber(
+    claiming = router.subscriber(
         stream=StreamSub(stream, group=group, consumer=consumer, min_idle_time=CLAIM_AFTER_MS),
         ack_policy=AckPolicy.MANUAL,
     )
+    reading = router.subscriber(
+        stream=StreamSub(stream, group=group, consumer=consumer, max_records=10, batch=bool(batch)),
+        ack_policy=AckPolicy.MANUAL,
+    )
+
     async def handle(
         data: dict[str, Any], conn: IdempotentConnection, current: CurrentIdempotency
     ) -> None:
@@ -58,6 +74,24 @@ async def main(
         await write_effect(conn, current, data["n"])
         await asyncio.sleep(0.005)  # a kill often lands inside the transaction
 
+    async def handle_batch(
+        bodies: list[dict[str, Any]], conn: IdempotentConnection, current: CurrentIdempotencyBatch
+    ) -> None:
+        for key, data in zip(current.keys, bodies, strict=True):
+            if data.get("fail_in_batch"):  # a failure the batch's settling counts
+                raise ConnectionError("the far side refuses it")
+            if data.get("kill"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            await conn.execute(
+                "INSERT INTO fs_effects (scope, key, n) VALUES ($1, $2, $3)", scope, key, data["n"]
+            )
+
+    if batch:
+        reading(handle_batch)
+        claiming(handle)
+    else:
+        reading(claiming(handle))
+
     broker.include_router(router)
     await broker.start()
     print(json.dumps({"event": "started"}), flush=True)
@@ -65,4 +99,4 @@ async def main(
 
 
 if __name__ == "__main__":
-    asyncio.run(main(*sys.argv[1:7]))
+    asyncio.run(main(*sys.argv[1:8]))

@@ -102,7 +102,7 @@ def test_every_snippet_program_is_shown_on_a_page() -> None:
 #: fixture, so a service that does not answer fails the test, naming it)
 KAFKA = {"kafka.py", "faststream_app.py", "faststream_batch.py", "faststream_confluent.py"}
 RABBIT = {"rabbitmq.py", "outbox.py"}
-REDIS = {"redis_cache.py", "redis_store.py", "faststream_redis.py"}
+REDIS = {"redis_cache.py", "redis_store.py", "faststream_redis.py", "faststream_redis_batch.py"}
 NATS = {"faststream_nats.py"}
 
 

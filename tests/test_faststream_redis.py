@@ -373,13 +373,9 @@ async def _encoded(body: dict[str, Any], headers: dict[str, str]) -> bytes:
             {"stream": StreamSub("LIST", group="workers", consumer="w1", no_ack=True)},
             r"no_ack=True",
         ),
-        (
-            {"stream": StreamSub("LIST", group="workers", consumer="w1", batch=True)},
-            r"batch subscribers",
-        ),
         ({"stream": StreamSub("LIST", group="workers", consumer="w1")}, r"nothing claims"),
     ],
-    ids=["list", "pubsub", "no_group", "no_ack", "batch", "no_claimer"],
+    ids=["list", "pubsub", "no_group", "no_ack", "no_claimer"],
 )
 async def test_redis_subscriber_that_cannot_redeliver_is_refused_at_start(
     redis_url: str,

@@ -246,3 +246,13 @@ def _nats_timeouts(fetch: Callable[..., Awaitable[Any]]) -> Callable[..., Awaita
             raise NatsTimeout from exc
 
     return wrapped
+
+
+def redis_message_format(subscriber: Any) -> Any:
+    """The message format (``BinaryMessageFormatV1``, ``JSONMessageFormat``...) a Redis stream
+    ``subscriber`` parses its entries with: its own ``message_format=`` or the broker's. Read
+    from the subscriber's stream parser, ``parser.config`` (the internal
+    ``RedisSubscriberConfig``, whose ``message_format`` property resolves the two); no public
+    API returns it. A batch subscriber's members are parsed with it one by one, as the
+    single-entry subscriber parses them. Checked: 0.7.8."""
+    return subscriber.parser.config.message_format

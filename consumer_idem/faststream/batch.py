@@ -18,7 +18,8 @@ the store down, a publish not confirmed) is sought back to that record after the
 the records after it are delivered again, and none before it.
 
 A NATS batch is decided the same way and settled per message, in no order
-(`consumer_idem.faststream.nats_batch`).
+(`consumer_idem.faststream.nats_batch`); so is a Redis stream batch, per entry
+(`consumer_idem.faststream.redis_batch`).
 
 A batch subscriber publishes nothing through FastStream: its return value would be one message
 for the whole batch, which a redelivery of part of it could not reproduce. The middleware
@@ -93,17 +94,27 @@ class _Outboxes(Sequence[UnitOutbox]):
 CurrentIdempotencyBatch = Annotated[IdempotencyBatchContext, Context("idempotency")]
 
 
-def members(
+def is_batch(message: StreamMessage[Any]) -> bool:
+    """Is ``message`` a batch subscriber's delivery (Kafka, NATS: a tuple or list of records;
+    Redis: a ``bstream`` entry list)?"""
+    from consumer_idem.faststream import redis_batch
+
+    return isinstance(message.raw_message, tuple | list) or redis_batch.is_batch(message)
+
+
+async def members(
     idem: Idempotency, subscriber: Any, message: StreamMessage[Any]
 ) -> list[ConsumerMessage]:
     """The records of a batch delivery, after checking that the subscriber can run them."""
     from consumer_idem.faststream.kafka_side import _Kafka
     from consumer_idem.faststream.nats_side import _Nats
+    from consumer_idem.faststream.redis_side import _Redis
 
     transport = idem.transport
-    if not isinstance(transport, _Kafka | _Nats):
+    if not isinstance(transport, _Kafka | _Nats | _Redis):
         raise IdempotencyConfigError(
-            "only Kafka and NATS JetStream deliver batches to a FastStream subscriber"
+            "only Kafka, NATS JetStream and Redis streams deliver batches to a FastStream "
+            "subscriber"
         )
     for call in _compat.handler_calls(subscriber):
         if _compat.has_publishers(call):
@@ -115,6 +126,10 @@ def members(
     idem.batch_consumer  # noqa: B018 - refuses two-phase mode here, before anything runs
     if isinstance(transport, _Nats):
         return [transport.incoming_raw(raw) for raw in message.raw_message]
+    if isinstance(transport, _Redis):
+        from consumer_idem.faststream import redis_batch
+
+        return await redis_batch.members(transport, subscriber, message)
     return [transport.message_of(record) for record in message.raw_message]
 
 
@@ -155,6 +170,10 @@ def _narrowed(message: StreamMessage[Any], run: Sequence[ConsumerMessage]) -> St
     decoder reads ``raw_message``), guarded as the per-message handler's delivery is."""
     from consumer_idem.faststream.handler_call import guarded
 
+    if isinstance(message.raw_message, dict):  # a Redis stream batch
+        from consumer_idem.faststream import redis_batch
+
+        return redis_batch.narrowed(message, run)
     position = {id(record): i for i, record in enumerate(message.raw_message)}
     picked = [position[id(m.raw)] for m in run]
     narrowed = guarded(message)
@@ -311,13 +330,19 @@ async def settle_batch(
     """Settle each member in order (``verdicts[i]`` for ``run[i]``; missing or None: not
     decided); then commit every partition up to its first member not settled, and seek each
     such partition back to it (after the longest wait asked for). True when all were settled.
-    A NATS batch: each member acked or ``nak``-ed (`consumer_idem.faststream.nats_batch`)."""
+    A NATS batch: each member acked or ``nak``-ed (`consumer_idem.faststream.nats_batch`); a
+    Redis batch: each ``XACK``-ed or left pending (`consumer_idem.faststream.redis_batch`)."""
     from consumer_idem.faststream.nats_side import _Nats
+    from consumer_idem.faststream.redis_side import _Redis
 
     if isinstance(idem.transport, _Nats):
         from consumer_idem.faststream import nats_batch
 
         return await nats_batch.settle_batch(idem, subscriber, run, verdicts)
+    if isinstance(idem.transport, _Redis):
+        from consumer_idem.faststream import redis_batch
+
+        return await redis_batch.settle_batch(idem, subscriber, run, verdicts)
     settler = _BatchSettler(idem, subscriber)
     stats, done, back = settler.stats, settler.done, settler.back
     for i, incoming in enumerate(run):

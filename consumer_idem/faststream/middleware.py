@@ -76,9 +76,10 @@ class _Middleware(BaseMiddleware):
         self.message = msg
         self.keeper = redis_hold.keep(idem, msg, self.subscriber)  # until after_processed
         await idem.outbox_relay.first_delivery()
-        if isinstance(msg.raw_message, tuple | list):  # a Kafka or NATS batch subscriber
+        if batch.is_batch(msg):  # a Kafka, NATS or Redis batch subscriber
             # NATS: a member delivered before runs alone, under the budget (batch_budget)
-            alone, together = batch_budget.split(idem, batch.members(idem, self.subscriber, msg))
+            members = await batch.members(idem, self.subscriber, msg)
+            alone, together = batch_budget.split(idem, members)
             self.members = alone + together
             ahead = None
             if together and batch.innermost(self.subscriber, call_next):

@@ -120,10 +120,13 @@ class _Redis:
                 "NOACK): entries are acknowledged as they are read, so a crash would lose "
                 "them: leave no_ack unset"
             )
-        if stream.batch:
+        if stream.batch and _claims(stream):
+            # a claimed entry may be what killed the last consumer: it runs alone, counted
+            # under the delivery budget, which a batch does not (`redis_batch` reads new ones)
             raise IdempotencyConfigError(
-                "Redis stream batch subscribers (StreamSub(batch=True)) are not supported yet: "
-                "subscribe without batch=True"
+                f"the claiming subscriber of {stream.name!r} has batch=True: an entry it claims "
+                "runs alone under the delivery budget (max_deliveries), one at a time. Claim "
+                "with a single-entry subscriber (no batch=True); the reading one may be a batch"
             )
         if not _claims(stream) and not self._claimer_of(stream):
             raise IdempotencyConfigError(
