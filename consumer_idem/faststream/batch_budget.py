@@ -72,9 +72,10 @@ async def _alone(idem: Idempotency, budget: DeliveryBudget, incoming: ConsumerMe
     prepared = consumer.prepare(incoming)
     if isinstance(prepared, Verdict):
         return prepared  # no key: dead-lettered with its reason, as in a batch
+
+    async def run() -> Verdict:
+        return (await consumer.process_batch([incoming]))[0]
+
     async with process_gate().alone():  # a crash now is this member's
-        refused = await budget.admit(prepared[0], [])
-        if refused is not None:
-            return refused
-        verdicts = await consumer.process_batch([incoming])
-    return verdicts[0]
+        # a run that only waited (lock wait, outage, another owner) gives its attempt back
+        return await budget.run_counted(prepared[0], [], run)

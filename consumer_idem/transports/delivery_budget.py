@@ -84,15 +84,24 @@ class DeliveryBudget:
                 return prepared  # no key: dead-lettered with its reason, as when fresh
             key, fingerprint = prepared
             async with process_gate().alone():  # a crash is then the running one's
-                refused = await self.admit(key, counted)
-                if refused is not None:
-                    return refused
-                verdict = await run(message, key, fingerprint)
-                if counted and counted[0] and is_wait(verdict):
-                    await self._give_back(key, counted)
-                return verdict
+                return await self.run_counted(key, counted, lambda: run(message, key, fingerprint))
 
         return attempt
+
+    async def run_counted(
+        self, key: str, counted: list[int], run: Callable[[], Awaitable[Verdict]]
+    ) -> Verdict:
+        """A redelivered delivery of ``key``, inside ``process_gate().alone()``: admitted
+        (`admit`), then ``run``; a run that only waited gives its attempt back. Every path
+        that counts a suspect ahead of its handler (a single delivery, a batch member run
+        alone) goes through here, so none of them spends the budget on a wait."""
+        refused = await self.admit(key, counted)
+        if refused is not None:
+            return refused
+        verdict = await run()
+        if counted and counted[0] and is_wait(verdict):
+            await self._give_back(key, counted)
+        return verdict
 
     async def _give_back(self, key: str, counted: list[int]) -> None:
         """A counted run only waited (the store did not answer, or another owner holds the
