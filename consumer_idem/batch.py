@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import asyncpg
 
+from consumer_idem import handler_runs
 from consumer_idem.commit import (
     check_sql,
     commit,
@@ -188,6 +189,7 @@ class BatchUnit:
             if not members:  # every member was decided by its record: nothing to hand over
                 await (execute_and_commit(conn, rider) if rider else commit(conn))
                 return []
+            handler_runs.note_started()
             results = list(await self.consumer.handler(members, conn) or [])
             if not conn.is_closed() and not conn.is_in_transaction():
                 raise EndedByHandler  # COMMIT or ROLLBACK sent by the handler itself

@@ -20,7 +20,7 @@ from typing import Any, Literal, Unpack, overload
 
 import asyncpg
 
-from consumer_idem import tracing
+from consumer_idem import handler_runs, tracing
 from consumer_idem.backoff import Backoff
 from consumer_idem.batch import BatchUnit
 from consumer_idem.commit import Rider
@@ -332,6 +332,7 @@ class IdempotentConsumer:
         """The user's handler on one message: ``arg`` is the attempt (two-phase) or the
         connection (transactional; a batch handler gets a list of one)."""
         with tracing.step("handler"):
+            handler_runs.note_started()
             if self.mode == "two_phase" or not self.batch:
                 return await self.handler(message, arg)
             results = await self.handler([message], arg)

@@ -82,16 +82,6 @@ async def test_nats_batch_member_lock_wait_on_the_claim_spends_no_delivery_budge
     assert await effects_by_key(pg_pool, scope) == {"k1": 1}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a counted run whose handler started but whose own statement met a statement timeout"
-        " ends as a store_unavailable wait, and its attempt is given back: the budget never"
-        " runs out. Fix: give back only a wait whose handler never started (the claim's"
-        " verdict would have to say so); a decision for the lead, since deadlocks and"
-        " serialization failures of healthy handlers end the same way"
-    ),
-)
 async def test_nats_batch_member_whose_handler_statement_always_times_out_is_dead_lettered(
     nats_url: str,
     store: PostgresStore,
@@ -101,11 +91,10 @@ async def test_nats_batch_member_whose_handler_statement_always_times_out_is_dea
     subject: str,
 ) -> None:
     """A member whose handler's own statement always runs past ``statement_timeout`` (a
-    payload that makes the handler's query pathological). Before the give-back, a
-    redelivered member counted each run ahead of its handler and was dead-lettered after
-    ``max_deliveries`` runs. Now each run ends as a ``store_unavailable`` wait and gives its
-    attempt back, though its handler did start: the member is run again and again, forever,
-    each run holding a Postgres statement for the full timeout."""
+    payload that makes the handler's query pathological): each run ends as a
+    ``store_unavailable`` wait, but its handler started, so its counted attempt is kept
+    (only a run that never reached its handler gives it back) and it is dead-lettered after
+    ``max_deliveries`` counted runs instead of running for ever."""
     broker = NatsBroker(nats_url)
     idem = Idempotency(store, broker=broker, scope=scope, backoff=(0.05, 0.1), max_deliveries=2)
     router = NatsRouter(middlewares=[idem])

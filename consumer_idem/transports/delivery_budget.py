@@ -36,6 +36,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from consumer_idem import handler_runs
 from consumer_idem.backoff import Backoff
 from consumer_idem.consumer import Action, IdempotentConsumer, Verdict
 from consumer_idem.errors import ConsumerIdemError, StoreUnavailable
@@ -94,22 +95,27 @@ class DeliveryBudget:
         """A redelivered delivery of ``key``, inside ``process_gate().alone()``: admitted
         (`admit`), then ``run``; a run that only waited gives its attempt back. Every path
         that counts a suspect ahead of its handler (a single delivery, a batch member run
-        alone) goes through here, so none of them spends the budget on a wait."""
+        alone) goes through here, so none of them spends the budget on a wait. An attempt is a
+        handler start (`consumer_idem.handler_runs`): a wait after the handler started (its
+        own statement timed out, its connection dropped) keeps it, or a handler that always
+        does so would run for ever."""
         refused = await self.admit(key, counted)
         if refused is not None:
             return refused
-        verdict = await run()
-        if counted and counted[0] and is_wait(verdict):
+        with handler_runs.watching() as started:
+            verdict = await run()
+        if counted and counted[0] and is_wait(verdict) and not started[0]:
             await self._give_back(key, counted)
         return verdict
 
     async def _give_back(self, key: str, counted: list[int]) -> None:
-        """A counted run only waited (the store did not answer, or another owner holds the
-        key): its handler never started, so its attempt is taken back, and the next try of
-        the delivery counts itself again. A broker that hands a wait back (Redis, NATS)
-        would otherwise spend the budget of a key that never ran on every redelivery of a
-        wait, then dead-letter it. While the store does not answer even that, the attempt
-        stays spent (one per suspect that was running as the outage began)."""
+        """A counted run only waited before its handler started (the store did not answer, a
+        lock wait, or another owner holds the key): it spent nothing, so its attempt is taken
+        back, and the next try of the delivery counts itself again. A broker that hands a
+        wait back (Redis, NATS) would otherwise spend the budget of a key that never ran on
+        every redelivery of a wait, then dead-letter it. While the store does not answer even
+        that, the attempt stays spent (one per suspect that was running as the outage
+        began)."""
         try:
             await self.attempts.give_back(self.consumer.scope, key)
         except ConsumerIdemError as exc:
