@@ -98,6 +98,7 @@ async def main() -> None:
             SUBJECT,
             headers={"idempotency-key": payment_id},
             stream=SUBJECT,  # wait for JetStream's ack
+            timeout=5,  # the default 0.5 s is short on a busy host
         )
     query = (
         "SELECT count(*) FROM faststream_nats_ledger WHERE payment_id = ANY($1)"
