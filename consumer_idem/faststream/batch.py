@@ -270,6 +270,34 @@ class SubscriberSide:
         return self.idem.transport.permanent(exc)
 
 
+class MemberSettler(SubscriberSide):
+    """What the NATS and Redis batch settlers share: each member is settled on its own, its
+    dead letter and notices named after the member's ``source`` (its subject or stream).
+    ``transport``: the broker side (``_Nats`` or ``_Redis``); members carry ``incoming``."""
+
+    transport: Any
+
+    def source(self, delivery: Any) -> str:
+        raise NotImplementedError
+
+    def dead_letter_destination(self, delivery: Any) -> str:
+        return self.idem.dead_letter_destination(self.source(delivery))
+
+    def body_size(self, delivery: Any) -> int:
+        return len(delivery.incoming.body)
+
+    def notice_body(self, delivery: Any, verdict: Verdict, with_original: bool) -> bytes:
+        if not with_original:
+            return reconcile_notice(verdict)
+        return reconcile_notice(verdict, delivery.incoming, self.source(delivery))
+
+    async def send_notice(self, scope: str, key: str, body: bytes) -> None:
+        await self.transport.notice(scope, key, body)
+
+    async def send_redispatch(self, notice: Notice) -> None:
+        await self.transport.redispatch(notice)
+
+
 class _BatchSettler(SubscriberSide):
     """The settle path's transport (``consumer_idem.transports.settle.Transport``) for the
     members of one batch: an ack advances its partition's commit, a retry or a hand-back stops

@@ -19,10 +19,9 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
-from consumer_idem.consumer import Verdict, reconcile_notice, settled_by_commit
-from consumer_idem.faststream.batch import SubscriberSide
+from consumer_idem.consumer import Verdict, settled_by_commit
+from consumer_idem.faststream.batch import MemberSettler
 from consumer_idem.message import ConsumerMessage
-from consumer_idem.notice import Notice
 from consumer_idem.transports import settle
 
 if TYPE_CHECKING:
@@ -37,7 +36,7 @@ class _Member(NamedTuple):
     incoming: ConsumerMessage
 
 
-class _NatsBatchSettler(SubscriberSide):
+class _NatsBatchSettler(MemberSettler):
     """The settle path's transport (``consumer_idem.transports.settle.Transport``) for the
     members of one batch: acks and naks are collected, and sent after every publish."""
 
@@ -63,29 +62,16 @@ class _NatsBatchSettler(SubscriberSide):
     async def give_back(self, delivery: _Member) -> None:
         self.naks.append((delivery.raw, None))
 
-    def dead_letter_destination(self, delivery: _Member) -> str:
-        return self.idem.dead_letter_destination(delivery.raw.subject)
-
-    def body_size(self, delivery: _Member) -> int:
-        return len(delivery.incoming.body)
+    def source(self, delivery: _Member) -> str:
+        return str(delivery.raw.subject)
 
     async def send_dead_letter(
         self, delivery: _Member, verdict: Verdict, body_dropped: bool
     ) -> None:
-        source = str(delivery.raw.subject)
         to = self.dead_letter_destination(delivery)
-        await self.transport.dead_letter_raw(delivery.raw, verdict, source, to, body_dropped)
-
-    def notice_body(self, delivery: _Member, verdict: Verdict, with_original: bool) -> bytes:
-        if not with_original:
-            return reconcile_notice(verdict)
-        return reconcile_notice(verdict, delivery.incoming, str(delivery.raw.subject))
-
-    async def send_notice(self, scope: str, key: str, body: bytes) -> None:
-        await self.transport.notice(scope, key, body)
-
-    async def send_redispatch(self, notice: Notice) -> None:
-        await self.transport.redispatch(notice)
+        await self.transport.dead_letter_raw(
+            delivery.raw, verdict, self.source(delivery), to, body_dropped
+        )
 
 
 async def settle_batch(

@@ -27,12 +27,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 from faststream import StreamMessage
 from faststream.redis.parser import RedisStreamParser, SimpleParserConfig
 
-from consumer_idem.consumer import Verdict, reconcile_notice, settled_by_commit
+from consumer_idem.consumer import Verdict, settled_by_commit
 from consumer_idem.faststream import _compat
-from consumer_idem.faststream.batch import SubscriberSide
+from consumer_idem.faststream.batch import MemberSettler
 from consumer_idem.faststream.delivery_limit import exhausted
 from consumer_idem.message import ConsumerMessage
-from consumer_idem.notice import Notice
 from consumer_idem.transports import settle
 
 if TYPE_CHECKING:
@@ -100,7 +99,7 @@ class _Member(NamedTuple):
     incoming: ConsumerMessage
 
 
-class _RedisBatchSettler(SubscriberSide):
+class _RedisBatchSettler(MemberSettler):
     """The settle path's transport (``consumer_idem.transports.settle.Transport``) for the
     members of one batch: acks are collected and sent after every publish; a retry is nothing
     sent (the entry stays pending)."""
@@ -136,29 +135,16 @@ class _RedisBatchSettler(SubscriberSide):
     async def give_back(self, delivery: _Member) -> None:
         self.left += 1  # nothing to send: it stays pending
 
-    def dead_letter_destination(self, delivery: _Member) -> str:
-        return self.idem.dead_letter_destination(str(delivery.incoming.topic))
-
-    def body_size(self, delivery: _Member) -> int:
-        return len(delivery.incoming.body)
+    def source(self, delivery: _Member) -> str:
+        return str(delivery.incoming.topic)
 
     async def send_dead_letter(
         self, delivery: _Member, verdict: Verdict, body_dropped: bool
     ) -> None:
-        source = str(delivery.incoming.topic)
         to = self.dead_letter_destination(delivery)
-        await self.transport.dead_letter(delivery.message, verdict, source, to, body_dropped)
-
-    def notice_body(self, delivery: _Member, verdict: Verdict, with_original: bool) -> bytes:
-        if not with_original:
-            return reconcile_notice(verdict)
-        return reconcile_notice(verdict, delivery.incoming, str(delivery.incoming.topic))
-
-    async def send_notice(self, scope: str, key: str, body: bytes) -> None:
-        await self.transport.notice(scope, key, body)
-
-    async def send_redispatch(self, notice: Notice) -> None:
-        await self.transport.redispatch(notice)
+        await self.transport.dead_letter(
+            delivery.message, verdict, self.source(delivery), to, body_dropped
+        )
 
 
 async def settle_batch(
