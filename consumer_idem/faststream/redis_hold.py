@@ -19,7 +19,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from consumer_idem.faststream import _compat
-from consumer_idem.faststream.redis_side import _claims, _Redis
+from consumer_idem.faststream.redis_side import _Redis
 
 if TYPE_CHECKING:
     from faststream import StreamMessage
@@ -65,27 +65,16 @@ class Keeper:
 
 def keep(idem: Idempotency, message: StreamMessage[Any], subscriber: Any) -> Keeper | None:
     """Start keeping ``message`` claimed while it is in hand (Redis stream entries only)."""
-    if not isinstance(idem.transport, _Redis):
+    transport = idem.transport
+    if not isinstance(transport, _Redis):
         return None
-    stream = getattr(subscriber, "stream_sub", None)
+    stream = transport.stream_of(subscriber)
     raw = message.raw_message
     if stream is None or not stream.group or not isinstance(raw, dict):
         return None
-    idle = _claim_after_ms(idem.broker, stream)
+    idle = transport.claim_after_ms(subscriber)
     if idle is None:
         return None
     with contextlib.suppress(RuntimeError):  # a test broker: no client, nothing claims
         return Keeper(_compat.redis_client(idem.broker), raw, stream, idle / 3000)
     return None
-
-
-def _claim_after_ms(broker: Any, stream: Any) -> int | None:
-    """The shortest ``min_idle_time`` after which a subscriber of ``broker`` claims the
-    pending entries of ``stream``'s group (None: none does)."""
-    idle: list[int] = [
-        int(getattr(sub, "min_idle_time", None) or getattr(sub, "claim_min_idle_time", None) or 0)
-        for sub in (getattr(s, "stream_sub", None) for s in getattr(broker, "subscribers", ()))
-        if sub is not None and sub.name == stream.name and sub.group == stream.group
-        if _claims(sub)
-    ]
-    return min(idle) if idle else None

@@ -76,6 +76,42 @@ class _Redis:
         self.idem = idem
         self.broker = broker
         self._checked: set[int] = set()  # subscribers found safe (checked once per delivery)
+        # FastStream's `stream_sub` deep-copies the StreamSub on every read; a subscriber's
+        # is fixed once the broker runs, so it is read once per subscriber (the subscriber is
+        # held too, so that its id is not reused)
+        self._streams: dict[int, tuple[Any, Any, int | None]] = {}
+
+    def stream_of(self, subscriber: Any) -> Any:
+        """``subscriber``'s `StreamSub` (None: it reads no stream), read once."""
+        return self._stream_entry(subscriber)[1]
+
+    def claim_after_ms(self, subscriber: Any) -> int | None:
+        """The shortest ``min_idle_time`` after which a subscriber of this broker claims the
+        pending entries of ``subscriber``'s stream and group (None: none does), found once."""
+        return self._stream_entry(subscriber)[2]
+
+    def _stream_entry(self, subscriber: Any) -> tuple[Any, Any, int | None]:
+        entry = self._streams.get(id(subscriber))
+        if entry is None:
+            stream = getattr(subscriber, "stream_sub", None)
+            idle = None if stream is None else self._claim_after_ms(stream)
+            entry = self._streams[id(subscriber)] = (subscriber, stream, idle)
+        return entry
+
+    def _claim_after_ms(self, stream: Any) -> int | None:
+        idle: list[int] = [
+            int(
+                getattr(sub, "min_idle_time", None)
+                or getattr(sub, "claim_min_idle_time", None)
+                or 0
+            )
+            for sub in (
+                getattr(s, "stream_sub", None) for s in getattr(self.broker, "subscribers", ())
+            )
+            if sub is not None and sub.name == stream.name and sub.group == stream.group
+            if _claims(sub)
+        ]
+        return min(idle) if idle else None
 
     def incoming(self, message: StreamMessage[Any]) -> ConsumerMessage:
         raw = message.raw_message
@@ -175,7 +211,7 @@ class _Redis:
         entry of a consumer that died, maybe of this entry). Redis 8.4's ``XREADGROUP ...
         CLAIM`` (``claim_min_idle_time``) mixes new and claimed entries in one read and is
         taken for new: such a subscriber's crash loop is not cut short."""
-        stream = getattr(subscriber, "stream_sub", None)
+        stream = self.stream_of(subscriber)
         return stream is not None and getattr(stream, "min_idle_time", None) is not None
 
     def source(self, message: StreamMessage[Any], subscriber: Any) -> str:
