@@ -43,12 +43,20 @@ class UnitOutbox:
     ) -> None:
         self.scope = scope
         self.key = key
-        self.run = run or new_run()
+        self._run = run
         self.route = route
         #: the messages published so far, in order
         self.messages: list[OutgoingMessage] = []
         #: the unit's transaction has ended: nothing published now would commit
         self.ended = False
+
+    @property
+    def run(self) -> str:
+        """This execution's id, drawn when the unit first publishes (most units publish
+        nothing, and need none)."""
+        if not self._run:
+            self._run = new_run()
+        return self._run
 
     def publish(
         self,

@@ -85,6 +85,7 @@ async def main(topic: str, group: str, scope: str, kind: str, kill_at: int) -> N
                 [(scope, key, body["n"]) for key, body in zip(current.keys, bodies, strict=True)],
             )
             await killer.reached()
+            await asyncio.sleep(0.05)  # paced, so a kill from outside lands mid-run
 
         subscribe(handle_batch)
     else:

@@ -96,10 +96,10 @@ CurrentIdempotencyBatch = Annotated[IdempotencyBatchContext, Context("idempotenc
 
 def is_batch(message: StreamMessage[Any]) -> bool:
     """Is ``message`` a batch subscriber's delivery (Kafka, NATS: a tuple or list of records;
-    Redis: a ``bstream`` entry list)?"""
-    from consumer_idem.faststream import redis_batch
-
-    return isinstance(message.raw_message, tuple | list) or redis_batch.is_batch(message)
+    Redis: a ``bstream`` entry list)? Read here, not in `redis_batch`: importing that imports
+    the Redis client, a second's work on the first delivery of any other broker."""
+    raw = message.raw_message
+    return isinstance(raw, tuple | list) or (isinstance(raw, dict) and raw.get("type") == "bstream")
 
 
 async def members(

@@ -76,13 +76,24 @@ class _Confluent(_Kafka):
         # KafkaException: rebalancing, no longer ours; RuntimeError: the consumer is closed
         # (a background commit after the subscriber stopped)
         self._commit_errors = (KafkaException, RuntimeError)
+        self._last_view: tuple[Any, ConfluentRecord] | None = None
 
     def durable_producer(self) -> bool:
         config = _compat.confluent_connection(self.broker).producer_config
         return config.get("acks", "all") in ("all", -1, "-1")
 
     def view(self, record: Any) -> Any:
-        return record if isinstance(record, ConfluentRecord) else record_view(record)
+        if isinstance(record, ConfluentRecord):
+            return record
+        # one delivery asks for its record's view several times (its message, its source,
+        # its settling); the client's accessors are calls into librdkafka, so the last view
+        # is kept (with its record, so the identity test cannot match another)
+        last = self._last_view
+        if last is not None and last[0] is record:
+            return last[1]
+        view = record_view(record)
+        self._last_view = (record, view)
+        return view
 
     def message_of(self, record: Any) -> ConsumerMessage:
         view = self.view(record)

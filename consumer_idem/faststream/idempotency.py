@@ -149,7 +149,22 @@ class Idempotency:
         elif isinstance(self.transport, _Nats | _Redis):
             self.budget = BrokerBudget(self, self.transport.delivered_before)
         self._batch_consumer: IdempotentConsumer | None = None
+        # the subscribers found safe, each with its id (held, so that the id is not reused)
+        self._checked: dict[int, Any] = {}
         startup.guard_start(self, broker)  # unsafe subscribers refused before any fetch
+
+    def check_subscriber(self, subscriber: Any) -> None:
+        """Refuse a subscriber that would lose messages under the middleware (its transport's
+        rules, its ack policy). Once found safe it is not asked again: what is checked is
+        fixed once the broker runs, and reading it (FastStream's configs, built on each
+        read) cost more than the rest of a delivery's bookkeeping."""
+        if id(subscriber) in self._checked:
+            return
+        self.transport.check(subscriber)
+        unsafe = startup.unsafe_ack_policy(subscriber)  # a test broker skips start()
+        if unsafe is not None:
+            raise IdempotencyConfigError(unsafe)
+        self._checked[id(subscriber)] = subscriber
 
     def _build(self, store: PostgresStore) -> IdempotentConsumer:
         attach_dispatcher(store, self, [self.scope])  # the outbox goes out through the broker

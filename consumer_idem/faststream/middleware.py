@@ -20,7 +20,7 @@ from consumer_idem.consumer import (
 from consumer_idem.errors import (
     IdempotencyConfigError,
 )
-from consumer_idem.faststream import _compat, batch, batch_budget, redis_hold, startup
+from consumer_idem.faststream import _compat, batch, batch_budget, redis_hold
 from consumer_idem.faststream.batch import (
     CurrentIdempotencyBatch as CurrentIdempotencyBatch,
 )
@@ -63,10 +63,7 @@ class _Middleware(BaseMiddleware):
     ) -> Any:
         idem = self.idem
         self.subscriber = _compat.current_subscriber(self.context)
-        idem.transport.check(self.subscriber)
-        unsafe = startup.unsafe_ack_policy(self.subscriber)  # a test broker skips start()
-        if unsafe is not None:
-            raise IdempotencyConfigError(unsafe)
+        idem.check_subscriber(self.subscriber)
         if msg.committed is not None:
             raise IdempotencyConfigError(
                 "the delivery was acknowledged before the handler ran (AckPolicy.ACK_FIRST, "

@@ -41,12 +41,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("consumer_idem.faststream")
 
 
-def is_batch(message: StreamMessage[Any]) -> bool:
-    """Is ``message`` the delivery of a Redis stream batch subscriber?"""
-    raw = message.raw_message
-    return isinstance(raw, dict) and raw.get("type") == "bstream"
-
-
 async def members(
     transport: _Redis, subscriber: Any, message: StreamMessage[Any]
 ) -> list[ConsumerMessage]:

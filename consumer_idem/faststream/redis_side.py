@@ -75,7 +75,6 @@ class _Redis:
     def __init__(self, idem: Idempotency, broker: Any) -> None:
         self.idem = idem
         self.broker = broker
-        self._checked: set[int] = set()  # subscribers found safe (checked once per delivery)
         # FastStream's `stream_sub` deep-copies the StreamSub on every read; a subscriber's
         # is fixed once the broker runs, so it is read once per subscriber (the subscriber is
         # held too, so that its id is not reused)
@@ -134,8 +133,6 @@ class _Redis:
     def check(self, subscriber: Any) -> None:
         """A stream subscriber of a consumer group, one entry at a time, with entries left
         pending until acked, and a subscriber claiming what stays pending."""
-        if id(subscriber) in self._checked:
-            return
         stream = getattr(subscriber, "stream_sub", None)
         if stream is None:
             kind = "list" if getattr(subscriber, "list_sub", None) is not None else "pub/sub"
@@ -181,7 +178,6 @@ class _Redis:
                 "every poll. Set StreamSub(..., max_records=10) or so",
                 stream.name,
             )
-        self._checked.add(id(subscriber))
 
     def _claimer_of(self, stream: Any) -> bool:
         """Does a subscriber of this broker claim the pending entries of ``stream``'s group

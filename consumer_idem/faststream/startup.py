@@ -68,7 +68,7 @@ def _problems(subscriber: Any, guards: list[Idempotency]) -> list[str]:
     problems: list[str] = []
     for idem in guards:
         try:
-            idem.transport.check(subscriber)
+            idem.check_subscriber(subscriber)
             idem.result_types.of(subscriber)  # an unreadable return type: now, not later
         except IdempotencyConfigError as exc:
             problems.append(f"subscriber {subscriber_name(subscriber)!r}: {exc}")
