@@ -76,9 +76,10 @@ class _Redis:
         self.idem = idem
         self.broker = broker
         # FastStream's `stream_sub` deep-copies the StreamSub on every read; a subscriber's
-        # is fixed once the broker runs, so it is read once per subscriber (the subscriber is
-        # held too, so that its id is not reused)
-        self._streams: dict[int, tuple[Any, Any, int | None]] = {}
+        # is fixed once the broker runs, so it is read once per subscriber (held too, so that
+        # its id is not reused), and the group's claimers again only when a subscriber is
+        # added at run time (a new claimer may claim sooner)
+        self._streams: dict[int, tuple[Any, Any, int | None, int]] = {}
 
     def stream_of(self, subscriber: Any) -> Any:
         """``subscriber``'s `StreamSub` (None: it reads no stream), read once."""
@@ -86,27 +87,28 @@ class _Redis:
 
     def claim_after_ms(self, subscriber: Any) -> int | None:
         """The shortest ``min_idle_time`` after which a subscriber of this broker claims the
-        pending entries of ``subscriber``'s stream and group (None: none does), found once."""
+        pending entries of ``subscriber``'s stream and group (None: none does)."""
         return self._stream_entry(subscriber)[2]
 
-    def _stream_entry(self, subscriber: Any) -> tuple[Any, Any, int | None]:
+    def _stream_entry(self, subscriber: Any) -> tuple[Any, Any, int | None, int]:
+        subscribers = getattr(self.broker, "subscribers", ())
         entry = self._streams.get(id(subscriber))
-        if entry is None:
+        if entry is None or entry[3] != len(subscribers):
             stream = getattr(subscriber, "stream_sub", None)
-            idle = None if stream is None else self._claim_after_ms(stream)
-            entry = self._streams[id(subscriber)] = (subscriber, stream, idle)
+            idle = None if stream is None else self._claim_after_ms(stream, subscribers)
+            entry = (subscriber, stream, idle, len(subscribers))
+            self._streams[id(subscriber)] = entry
         return entry
 
-    def _claim_after_ms(self, stream: Any) -> int | None:
+    @staticmethod
+    def _claim_after_ms(stream: Any, subscribers: Any) -> int | None:
         idle: list[int] = [
             int(
                 getattr(sub, "min_idle_time", None)
                 or getattr(sub, "claim_min_idle_time", None)
                 or 0
             )
-            for sub in (
-                getattr(s, "stream_sub", None) for s in getattr(self.broker, "subscribers", ())
-            )
+            for sub in (getattr(s, "stream_sub", None) for s in subscribers)
             if sub is not None and sub.name == stream.name and sub.group == stream.group
             if _claims(sub)
         ]
