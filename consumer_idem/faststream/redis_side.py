@@ -83,7 +83,8 @@ class _Redis:
 
     def stream_of(self, subscriber: Any) -> Any:
         """``subscriber``'s `StreamSub` (None: it reads no stream), read once."""
-        return self._stream_entry(subscriber)[1]
+        entry = self._streams.get(id(subscriber))
+        return (entry or self._stream_entry(subscriber))[1]
 
     def claim_after_ms(self, subscriber: Any) -> int | None:
         """The shortest ``min_idle_time`` after which a subscriber of this broker claims the
