@@ -20,6 +20,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from benchmarks.bench_consumers import alternate, faststream_kafka, faststream_kafka_batch
 from benchmarks.common import entry, scratch_database, settle
+from benchmarks.pg_cpu import SidesCpu, postmaster_of
 from consumer_idem import PostgresStore, header
 from consumer_idem.cli.settings import load_settings
 from consumer_idem.transports.kafka import to_message
@@ -84,28 +85,32 @@ async def run() -> list[dict[str, Any]]:
             await send_kafka(plan(N, 0.0, 1, run_id), topic)
             for idempotent in (False, True):  # uncounted: the first reads of a topic cost more
                 await per_message(pool, store, topic, idempotent)
+            cpu = SidesCpu(await postmaster_of(dsn))
             base, subject, ratios = await alternate(
                 ROUNDS,
-                lambda: per_message(pool, store, topic, False),
-                lambda: per_message(pool, store, topic, True),
+                cpu.metered(False, PER_MESSAGE, lambda: per_message(pool, store, topic, False)),
+                cpu.metered(True, PER_MESSAGE, lambda: per_message(pool, store, topic, True)),
             )
-            print(f"   per message ratios per round: {ratios}", flush=True)
+            print(f"   per message ratios per round: {ratios}; cpu: {cpu.us}", flush=True)
             results += [
                 entry("faststream.confluent.plain", base, "msg/s", None),
                 entry("faststream.confluent.idempotent", subject, "msg/s", base),
+                cpu.entry("consumer.cpu_per_message.faststream.confluent"),
             ]
             await settle()
             for idempotent in (False, True):
                 await batches(pool, store, topic, idempotent)
+            batch_cpu = SidesCpu(cpu.postmaster)
             base, subject, ratios = await alternate(
                 ROUNDS,
-                lambda: batches(pool, store, topic, False),
-                lambda: batches(pool, store, topic, True),
+                batch_cpu.metered(False, N, lambda: batches(pool, store, topic, False)),
+                batch_cpu.metered(True, N, lambda: batches(pool, store, topic, True)),
             )
-            print(f"   batch ratios per round: {ratios}", flush=True)
+            print(f"   batch ratios per round: {ratios}; cpu: {batch_cpu.us}", flush=True)
             results += [
                 entry("faststream.confluent.plain.batch", base, "msg/s", None),
                 entry("faststream.confluent.idempotent.batch", subject, "msg/s", base),
+                batch_cpu.entry("consumer.cpu_per_message.faststream.confluent.batch"),
             ]
         finally:
             await admin.delete_topics([topic])

@@ -24,6 +24,7 @@ from nats.js import api
 
 from benchmarks.bench_consumers import alternate
 from benchmarks.common import Clock, entry, scratch_database, settled_rate
+from benchmarks.pg_cpu import SidesCpu, postmaster_of
 from consumer_idem import PostgresStore, header
 from consumer_idem.cli.settings import load_settings
 from examples.payments_producer import plan
@@ -149,21 +150,30 @@ async def run() -> list[dict[str, Any]]:
             # one run of each first, not counted (the first reads of a new stream cost more)
             await faststream_nats(pool, store, stream, False)
             await faststream_nats(pool, store, stream, True)
+            cpu = SidesCpu(await postmaster_of(dsn))
             base, subject, ratios = await alternate(
                 5,
-                lambda: faststream_nats(pool, store, stream, False),
-                lambda: faststream_nats(pool, store, stream, True),
+                cpu.metered(False, COUNT, lambda: faststream_nats(pool, store, stream, False)),
+                cpu.metered(True, COUNT, lambda: faststream_nats(pool, store, stream, True)),
             )
-            print(f"   faststream nats ratios per round: {ratios}", flush=True)
+            print(f"   faststream nats ratios per round: {ratios}; cpu: {cpu.us}", flush=True)
             # batch subscribers: one transaction per fetched batch, then an ack per message
             await faststream_nats(pool, store, stream, False, batched=True)
             await faststream_nats(pool, store, stream, True, batched=True)
+            batch_cpu = SidesCpu(cpu.postmaster)
             batch_base, batch_subject, ratios = await alternate(
                 5,
-                lambda: faststream_nats(pool, store, stream, False, batched=True),
-                lambda: faststream_nats(pool, store, stream, True, batched=True),
+                batch_cpu.metered(
+                    False, COUNT, lambda: faststream_nats(pool, store, stream, False, batched=True)
+                ),
+                batch_cpu.metered(
+                    True, COUNT, lambda: faststream_nats(pool, store, stream, True, batched=True)
+                ),
             )
-            print(f"   faststream nats batch ratios per round: {ratios}", flush=True)
+            print(
+                f"   faststream nats batch ratios per round: {ratios}; cpu: {batch_cpu.us}",
+                flush=True,
+            )
         finally:
             await drop(stream)
             await pool.close()
@@ -172,4 +182,6 @@ async def run() -> list[dict[str, Any]]:
         entry("faststream.nats.idempotent", subject, "msg/s", base),
         entry("faststream.nats.plain.batch", batch_base, "msg/s", None),
         entry("faststream.nats.idempotent.batch", batch_subject, "msg/s", batch_base),
+        cpu.entry("consumer.cpu_per_message.faststream.nats"),
+        batch_cpu.entry("consumer.cpu_per_message.faststream.nats.batch"),
     ]

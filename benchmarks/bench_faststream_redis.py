@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 
 from benchmarks.bench_consumers import alternate
 from benchmarks.common import Clock, entry, scratch_database, settled_rate
+from benchmarks.pg_cpu import SidesCpu, postmaster_of
 from consumer_idem import PostgresStore, header
 from consumer_idem.cli.settings import load_settings
 from consumer_idem.message import ConsumerMessage
@@ -112,12 +113,13 @@ async def run() -> list[dict[str, Any]]:
             await fill(stream, run_id)
             await faststream_redis(pool, store, stream, False)
             await faststream_redis(pool, store, stream, True)
+            cpu = SidesCpu(await postmaster_of(dsn))
             base, subject, ratios = await alternate(
                 ROUNDS,
-                lambda: faststream_redis(pool, store, stream, False),
-                lambda: faststream_redis(pool, store, stream, True),
+                cpu.metered(False, COUNT, lambda: faststream_redis(pool, store, stream, False)),
+                cpu.metered(True, COUNT, lambda: faststream_redis(pool, store, stream, True)),
             )
-            print(f"   faststream redis ratios per round: {ratios}", flush=True)
+            print(f"   faststream redis ratios per round: {ratios}; cpu: {cpu.us}", flush=True)
         finally:
             await client.delete(stream)
             await client.aclose()
@@ -125,4 +127,5 @@ async def run() -> list[dict[str, Any]]:
     return [
         entry("faststream.redis.plain", base, "msg/s", None),
         entry("faststream.redis.idempotent", subject, "msg/s", base),
+        cpu.entry("consumer.cpu_per_message.faststream.redis"),
     ]

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import os
 import resource
+import statistics
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 
@@ -86,3 +89,35 @@ class CpuMeter:
         self.pg_us = (server_seconds(self.postmaster) - self._pg0) / n * 1e6
         self.client_us = (own_seconds() - self._own0) / n * 1e6
         return self
+
+
+class SidesCpu:
+    """The CPU per message of each run of a plain and an idempotent side (this process, with
+    its client library's threads, plus the whole Postgres server), metered around each run;
+    `entry` gives the medians as a ``us/msg`` entry, the plain side as its baseline."""
+
+    def __init__(self, postmaster: int) -> None:
+        self.postmaster = postmaster
+        self._meter = CpuMeter(postmaster)
+        self.us: dict[bool, list[float]] = {False: [], True: []}
+
+    def metered(
+        self, idempotent: bool, messages: int, run: Callable[[], Awaitable[float]]
+    ) -> Callable[[], Awaitable[float]]:
+        """``run`` (one run of a side, settling ``messages``; its rate), metered."""
+
+        async def go() -> float:
+            self._meter.start()
+            rate = await run()
+            self._meter.stop(messages)
+            self.us[idempotent].append(round(self._meter.pg_us + self._meter.client_us, 1))
+            return rate
+
+        return go
+
+    def entry(self, name: str) -> dict[str, Any]:
+        from benchmarks.common import entry
+
+        return entry(
+            name, statistics.median(self.us[True]), "us/msg", statistics.median(self.us[False])
+        )
