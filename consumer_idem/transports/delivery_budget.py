@@ -19,9 +19,10 @@ So the broker's counter is only a hint here:
   counted: a poison runs at most ``max_deliveries + 1`` times.)
 * With ``max_deliveries`` attempts counted, the key's record is read first. A key that completed,
   is in flight elsewhere or is parked ``unknown`` goes through the claim engine, which replays
-  it, waits, or leaves it to reconciliation, and never runs the handler; only a key with no
-  record (or one proven not executed, or expired) is dead-lettered, reason
-  ``max_deliveries``.
+  it, waits, or leaves it to reconciliation, and never runs the handler. A key claimed by a
+  transaction still open on another consumer (transactional mode: its row is not visible
+  yet) waits, and its next delivery looks again. Only a key with no record (or one proven
+  not executed, or expired) is dead-lettered, reason ``max_deliveries``.
 * A store outage while counting or reading is a wait (the delivery is held and tried again):
   it never spends the budget and never dead-letters. Nor does a counted run that only waited
   (the claim met a lock wait, an outage, or another owner of the key): its attempt is taken
@@ -133,7 +134,22 @@ class DeliveryBudget:
             if not counted:  # once per delivery, however often it is tried again
                 n = await self.attempts.count(consumer.scope, key, self.limit)
                 if n is None and not await self._settled_elsewhere(key):
-                    return Verdict(Action.DEAD_LETTER, consumer.scope, key, reason="max_deliveries")
+                    # no record to read: one may be on its way, in a transaction still open on
+                    # another consumer (transactional mode); what it ends with decides, at the
+                    # next delivery (a replay, or this dead letter)
+                    held = await consumer.store.fast_path.probe_claim(consumer.scope, key)
+                    if held == "open":
+                        return Verdict(
+                            Action.RETRY,
+                            consumer.scope,
+                            key,
+                            reason="in_progress",
+                            retry_after=consumer.backoff_base,
+                        )
+                    if held == "none" or not await self._settled_elsewhere(key):
+                        return Verdict(
+                            Action.DEAD_LETTER, consumer.scope, key, reason="max_deliveries"
+                        )
                 counted.append(n or 0)
         except StoreUnavailable:
             self._outages += 1

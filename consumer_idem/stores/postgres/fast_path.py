@@ -23,6 +23,7 @@ from consumer_idem.commit import (
     commit,
     execute_and_commit,
     prepare_check_sql,
+    rollback,
     run_check_sql,
 )
 from consumer_idem.errors import KeyInFlight
@@ -277,6 +278,34 @@ class FastPath:
         if claimed:
             self.store.metrics.inc("created", scope)
         return claimed
+
+    async def probe_claim(self, scope: str, key: str, wait_ms: int = 200) -> str:
+        """Who has (``scope``, ``key``), where a read found no record? A transaction still open
+        elsewhere has its claim's row invisible until it commits, so this claims the key in a
+        transaction of its own, rolled back at once: ``"open"`` when the claim waited longer
+        than ``wait_ms`` on the unique index (for that open transaction), ``"row"`` when a row
+        is there now (committed since the read), ``"none"`` when nobody has it. Raises the
+        store's error when the store does not answer."""
+        retention = self.store.retention_for(scope, None).total_seconds()
+        claim = self._claim_sql(
+            dollar_quote(scope),
+            dollar_quote(key),
+            "'probe'",
+            f"{retention!r}::float8",
+            "NULL::text",
+        )
+        sql = f"BEGIN; SET LOCAL lock_timeout = {int(wait_ms)}; {claim}"
+
+        async def probe(c: Any) -> str:
+            try:
+                status = await c.execute(sql)
+            except asyncpg.LockNotAvailableError:
+                return "open"
+            finally:
+                await rollback(c)
+            return "none" if status == "INSERT 0 1" else "row"
+
+        return await self.store.run("probe_claim", scope, None, probe)
 
     async def finish_claimed(
         self,
