@@ -9,6 +9,7 @@ said once, and its connections let go so that the pool finds the writable server
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -31,6 +32,7 @@ from consumer_idem import (
     OutcomeKind,
     PostgresStore,
     fingerprint_json,
+    header,
     idempotent_consumer,
     run_two_phase,
 )
@@ -47,6 +49,8 @@ from consumer_idem.stores.postgres.errors import (
     kind_of,
     wrong_node,
 )
+from consumer_idem.transports.delivery_budget import DeliveryBudget
+from tests._failover import FailoverPair, on_database
 from tests._wraparound import end_episode, takes_writes, until_writable, wrapped_cluster
 
 FP = fingerprint_json({"n": 1})
@@ -195,6 +199,46 @@ async def test_a_read_only_database_is_waited_out_said_once_and_resumed(
     finally:
         await pool.close()
         await admin.close()
+
+
+async def test_store_calls_on_its_own_pooled_connections_wait_out_a_standby_and_let_it_go(
+    failover_pair: FailoverPair,
+) -> None:
+    """A DSN that reaches the hot standby (a stale name after a fail-over): the writes the store
+    makes on a connection of its own pool (the delivery budget's count, its claim probe) are an
+    outage to wait out, like those on a connection the handler holds, and the standby's session
+    is closed so that the pool's next connection can find the writable node."""
+    primary = await asyncpg.create_pool(
+        on_database(failover_pair.primary_dsn, failover_pair.database), min_size=1, max_size=1
+    )
+    standby = await asyncpg.create_pool(
+        on_database(failover_pair.standby_dsn, failover_pair.database), min_size=1, max_size=1
+    )
+    try:
+        await PostgresStore(primary).migrate()
+        store = PostgresStore(standby)
+        for _ in range(100):  # the standby replays the migration
+            if await standby.fetchval("SELECT to_regclass('consumer_idem.delivery_attempts')"):
+                break
+            await asyncio.sleep(0.05)
+
+        @idempotent_consumer(store, scope="sb", key=header("idempotency-key"))
+        async def handle(conn: asyncpg.Connection) -> None:
+            raise AssertionError("never runs on a standby")
+
+        budget = DeliveryBudget(handle, 1)
+        session = await standby.fetchval("SELECT pg_backend_pid()")
+        with pytest.raises(StoreUnavailable, match="read-only"):
+            await budget.attempts.count("sb", "k", 1)
+        assert await standby.fetchval("SELECT pg_backend_pid()") != session, "not let go"
+        with pytest.raises(StoreUnavailable, match="read-only"):
+            await store.fast_path.probe_claim("sb", "k")
+        verdict = await budget.admit("k", [])
+        assert verdict is not None
+        assert (verdict.action, verdict.reason) == (Action.RETRY, "store_unavailable")
+    finally:
+        await standby.close()
+        await primary.close()
 
 
 async def test_two_phase_local_writes_wait_out_a_read_only_server_and_park_their_own_bug(

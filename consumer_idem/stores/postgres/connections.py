@@ -95,14 +95,18 @@ class Connections:
         """Run ``call`` on ``conn`` or a pooled connection, timed, with every database failure
         turned into the library's error for it."""
         started = time.perf_counter()
-        c: Any = None
         try:
             async with self.connection(conn) as c:
-                return await call(c)
-        except ConsumerIdemError:
-            raise
-        except Exception as exc:  # any database failure means: do not proceed
-            error = self.store.error_for(operation, exc, scope, c)
+                try:
+                    return await call(c)
+                except ConsumerIdemError:
+                    raise
+                except Exception as exc:  # any database failure means: do not proceed
+                    # classified while ``c`` is still lent: a wrong node's connection is closed
+                    # here; once released, a pooled proxy refuses every call (InterfaceError)
+                    error = self.store.error_for(operation, exc, scope, c)
+                    failure = exc
+            # asked after ``c`` is back in the pool, so a pool of one still has a connection
             if isinstance(error, StoreRejected) and await self.store.refuses_any_write():
                 # the same class also says "the server takes no write at all" (54000: its
                 # XID wraparound protection): then the message is not to blame; wait
@@ -111,7 +115,7 @@ class Connections:
                     "too: an outage of the server (XID wraparound protection? run VACUUM), "
                     "not the message's data"
                 )
-            raise error from exc
+            raise error from failure
         finally:
             self.store.metrics.observe(operation, time.perf_counter() - started)
 

@@ -197,13 +197,27 @@ class FastPath:
         timeout = (
             "" if lock_timeout_ms is None else f"SET LOCAL lock_timeout = {int(lock_timeout_ms)}; "
         )
+        if not self.prepared:
+            return (
+                f"BEGIN; {timeout}{self._literal_claim(scope, key, fingerprint, retention_s, mark)}"
+            )
         marked = "NULL" if mark is None else f"'{mark}'"
         args = (dollar_quote(scope), dollar_quote(key), dollar_quote(fingerprint))
-        if not self.prepared:
-            claim = self._claim_sql(*args, f"{retention_s!r}::float8", f"{marked}::text")
-            return f"BEGIN; {timeout}{claim}"
         values = ", ".join((*args, repr(retention_s), marked))
         return f"BEGIN; {timeout}EXECUTE {self._claim_stmt}({values})"
+
+    def _literal_claim(
+        self, scope: str, key: str, fingerprint: str, retention_s: float, mark: str | None
+    ) -> str:
+        """The claim statement with its values as literals (no prepared statement to name)."""
+        marked = "NULL" if mark is None else f"'{mark}'"
+        return self._claim_sql(
+            dollar_quote(scope),
+            dollar_quote(key),
+            dollar_quote(fingerprint),
+            f"{retention_s!r}::float8",
+            f"{marked}::text",
+        )
 
     # --- the next unit's claim, in the round trip of this unit's COMMIT ---------------------
 
@@ -287,13 +301,7 @@ class FastPath:
         is there now (committed since the read), ``"none"`` when nobody has it. Raises the
         store's error when the store does not answer."""
         retention = self.store.retention_for(scope, None).total_seconds()
-        claim = self._claim_sql(
-            dollar_quote(scope),
-            dollar_quote(key),
-            "'probe'",
-            f"{retention!r}::float8",
-            "NULL::text",
-        )
+        claim = self._literal_claim(scope, key, "probe", retention, None)
         sql = f"BEGIN; SET LOCAL lock_timeout = {int(wait_ms)}; {claim}"
 
         async def probe(c: Any) -> str:
