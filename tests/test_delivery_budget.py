@@ -4,6 +4,7 @@ transaction ends with decides."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 
 import asyncpg
@@ -73,3 +74,37 @@ async def test_a_spent_key_nobody_holds_is_dead_lettered_and_the_probe_leaves_no
     verdict = await budget.admit("k", [])
     assert verdict is not None and verdict.reason == "max_deliveries"
     assert await store.get(scope, "k") is None
+
+
+@pytest.fixture
+async def own_store(pg_dsn: str) -> AsyncIterator[PostgresStore]:
+    """A store in a schema of its own (its table gets a constraint of the test's)."""
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
+    assert pool is not None
+    store = PostgresStore(pool, schema=f"budget_{uuid.uuid4().hex[:10]}")
+    await store.migrate()
+    yield store
+    await pool.execute(f'DROP SCHEMA "{store.schema}" CASCADE')
+    await pool.close()
+
+
+async def test_a_spent_key_whose_probe_the_table_refuses_is_dead_lettered_not_handed_back(
+    own_store: PostgresStore,
+) -> None:
+    """A deployment's own CHECK on the table (fingerprints are SHA-256 hex, say) refuses the
+    probe's claim row: the probe tells nothing, and the key gets the verdict it had before the
+    probe, a dead letter with its reason, instead of a refusal at every redelivery."""
+
+    @idempotent_consumer(own_store, scope="s", key=header("idempotency-key"))
+    async def handle(conn: asyncpg.Connection) -> None:
+        raise AssertionError("never runs here")
+
+    spent = DeliveryBudget(handle, 1)
+    assert await spent.attempts.count("s", "k", 1) == 1
+    await own_store.pool.execute(
+        f"ALTER TABLE {own_store.table} ADD CONSTRAINT sha256_fingerprints"
+        " CHECK (fingerprint ~ '^[0-9a-f]{64}$') NOT VALID"
+    )
+    verdict = await spent.admit("k", [])
+    assert verdict is not None
+    assert (verdict.action, verdict.reason) == (Action.DEAD_LETTER, "max_deliveries")

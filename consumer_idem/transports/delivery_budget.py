@@ -40,7 +40,7 @@ from typing import TypeVar
 from consumer_idem import handler_runs
 from consumer_idem.backoff import Backoff
 from consumer_idem.consumer import Action, IdempotentConsumer, Verdict
-from consumer_idem.errors import ConsumerIdemError, StoreUnavailable
+from consumer_idem.errors import ConsumerIdemError, StoreRejected, StoreUnavailable
 from consumer_idem.message import ConsumerMessage
 from consumer_idem.stores.postgres.attempts import DeliveryAttempts
 from consumer_idem.transports.run_gate import process_gate
@@ -137,7 +137,7 @@ class DeliveryBudget:
                     # no record to read: one may be on its way, in a transaction still open on
                     # another consumer (transactional mode); what it ends with decides, at the
                     # next delivery (a replay, or this dead letter)
-                    held = await consumer.store.fast_path.probe_claim(consumer.scope, key)
+                    held = await self._probe(key)
                     if held == "open":
                         return Verdict(
                             Action.RETRY,
@@ -181,6 +181,19 @@ class DeliveryBudget:
         if verdict.key is not None:
             with contextlib.suppress(ConsumerIdemError):
                 await self.attempts.count(verdict.scope, verdict.key)
+
+    async def _probe(self, key: str) -> str:
+        """Who has ``key`` (`FastPath.probe_claim`). A probe the table refuses for its data
+        (a constraint of the deployment's own, say a CHECK on ``fingerprint``) tells nothing:
+        then the key counts as nobody's, the verdict it had before the probe existed, rather
+        than a refusal handed back to the broker at every try."""
+        try:
+            return await self.consumer.store.fast_path.probe_claim(self.consumer.scope, key)
+        except StoreRejected as exc:
+            log.warning(
+                "scope=%s key=%s: the claim probe was refused: %s", self.consumer.scope, key, exc
+            )
+            return "none"
 
     async def _settled_elsewhere(self, key: str) -> bool:
         """Whether ``key``'s record says its work is done, running or parked (the claim engine
