@@ -327,6 +327,19 @@ async def store(pg_pool: asyncpg.Pool) -> PostgresStore:
     return store
 
 
+@pytest.fixture
+async def own_store(pg_dsn: str) -> AsyncIterator[PostgresStore]:
+    """A store in a schema of its own, on one connection (its statistics and its table's
+    constraints are this test's)."""
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=1)
+    assert pool is not None
+    store = PostgresStore(pool, schema=f"own_{uuid.uuid4().hex[:10]}")
+    await store.migrate()
+    yield store
+    await pool.execute(f'DROP SCHEMA "{store.schema}" CASCADE')
+    await pool.close()
+
+
 @pytest.fixture(scope="session")
 async def effects(pg_pool: asyncpg.Pool) -> None:
     """The FastStream tests' effect table (see ``tests/_faststream.py``)."""

@@ -4,7 +4,6 @@ transaction ends with decides."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 
 import asyncpg
@@ -74,18 +73,6 @@ async def test_a_spent_key_nobody_holds_is_dead_lettered_and_the_probe_leaves_no
     verdict = await budget.admit("k", [])
     assert verdict is not None and verdict.reason == "max_deliveries"
     assert await store.get(scope, "k") is None
-
-
-@pytest.fixture
-async def own_store(pg_dsn: str) -> AsyncIterator[PostgresStore]:
-    """A store in a schema of its own (its table gets a constraint of the test's)."""
-    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
-    assert pool is not None
-    store = PostgresStore(pool, schema=f"budget_{uuid.uuid4().hex[:10]}")
-    await store.migrate()
-    yield store
-    await pool.execute(f'DROP SCHEMA "{store.schema}" CASCADE')
-    await pool.close()
 
 
 async def test_a_spent_key_whose_probe_the_table_refuses_is_dead_lettered_not_handed_back(

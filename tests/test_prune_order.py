@@ -7,26 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
 import pytest
 
 from consumer_idem import PostgresStore, PrunePolicy
-
-
-@pytest.fixture
-async def own_store(pg_dsn: str) -> AsyncIterator[PostgresStore]:
-    """A store in a schema of its own, on one connection (its statistics are this test's)."""
-    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=1)
-    assert pool is not None
-    store = PostgresStore(pool, schema=f"prune_{uuid.uuid4().hex[:10]}")
-    await store.migrate()
-    yield store
-    await pool.execute(f'DROP SCHEMA "{store.schema}" CASCADE')
-    await pool.close()
 
 
 async def add(store: PostgresStore, n: int, status: str, ages_s: list[float]) -> None:
