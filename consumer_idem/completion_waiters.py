@@ -108,8 +108,10 @@ class CompletionWaiters:
                 try:
                     await conn.add_listener(self.channel, self._notified)
                 except Exception as exc:
-                    await store.pool.release(conn)
-                    raise store.error_for("listen", exc) from exc
+                    # classified while still lent: a read-only node's session is closed here
+                    error = store.error_for("listen", exc, conn=conn)
+                    await self._give_back(conn)
+                    raise error from exc
                 self._conn = conn
             self._users += 1
 
@@ -129,7 +131,15 @@ class CompletionWaiters:
         except Exception:
             log.debug("UNLISTEN failed", exc_info=True)
         finally:
+            await self._give_back(conn)
+
+    async def _give_back(self, conn: Any) -> None:
+        # a connection that breaks as the pool resets it is closed by the pool, which then
+        # raises the driver's error: nothing of a waiter's is lost, so it is only logged
+        try:
             await self.store.pool.release(conn)
+        except Exception:
+            log.debug("giving the listener's connection back failed", exc_info=True)
 
 
 _waiters: weakref.WeakKeyDictionary[PostgresStore, CompletionWaiters] = weakref.WeakKeyDictionary()

@@ -34,6 +34,11 @@ from consumer_idem.outbox_send import (
 from consumer_idem.outbox_stranded import report_stranded
 from consumer_idem.stores.postgres.store import PostgresStore
 
+
+async def _begin(conn: Any) -> None:
+    await conn.execute("BEGIN")
+
+
 log = logging.getLogger("consumer_idem.outbox")
 
 
@@ -125,7 +130,9 @@ class OutboxRelay:
         store = self.store
         async with store.connection() as conn:
             try:
-                await conn.execute("BEGIN")
+                # through the store, as the claim and settle are: a dropped connection is an
+                # outage (StoreUnavailable), not the driver's error
+                await store.run("outbox_relay", "", conn, _begin)
                 claim = store.outbox.claim_due(conn, self.batch, self.scopes, self.route, upto)
                 if not (messages := await claim):
                     await rollback(conn)
@@ -137,7 +144,7 @@ class OutboxRelay:
                 ]
                 parked = [(m, failure_text(exc)) for m, exc in done.parked]
                 await store.outbox.settle_claimed(conn, done.sent, failed, parked)
-                await commit(conn)
+                await store.run("outbox_relay", "", conn, commit)
             except BaseException:
                 # nothing marked: sent ones go again (duplicates the next consumer drops)
                 await rollback(conn)

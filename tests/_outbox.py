@@ -56,7 +56,8 @@ def header(record: Any, name: str = "idempotency-key") -> str:
 class Proxy:
     """A TCP proxy on loopback to ``host:port``: :meth:`cut` drops every connection through it
     and refuses new ones (the broker is down, for the clients that use the proxy), until
-    :meth:`restore`."""
+    :meth:`restore`. :meth:`drop_on` drops one connection, at the moment its client sends
+    a given statement (a network fault at a precise point of a conversation)."""
 
     def __init__(self, host: str, port: int) -> None:
         self.host = host
@@ -64,6 +65,13 @@ class Proxy:
         self.listen_port = 0
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._drop_on: bytes | None = None
+        self.dropped = 0
+
+    def drop_on(self, statement: bytes) -> None:
+        """Drop the next connection whose client sends bytes holding ``statement`` (they are
+        not forwarded): both of its sides are reset."""
+        self._drop_on = statement
 
     async def start(self) -> int:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.listen_port)
@@ -81,6 +89,12 @@ class Proxy:
         async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
             try:
                 while data := await src.read(65536):
+                    if src is reader and self._drop_on is not None and self._drop_on in data:
+                        self._drop_on = None
+                        self.dropped += 1
+                        writer.transport.abort()
+                        up_writer.transport.abort()
+                        return
                     dst.write(data)
                     await dst.drain()
             except (ConnectionError, OSError):

@@ -36,6 +36,7 @@ from consumer_idem import (
     idempotent_consumer,
     run_two_phase,
 )
+from consumer_idem.completion_waiters import waiters_for
 from consumer_idem.errors import (
     ConfigurationError,
     SchemaMissing,
@@ -236,6 +237,12 @@ async def test_store_calls_on_its_own_pooled_connections_wait_out_a_standby_and_
         verdict = await budget.admit("k", [])
         assert verdict is not None
         assert (verdict.action, verdict.reason) == (Action.RETRY, "store_unavailable")
+        # the HTTP wait= path's LISTEN, refused during recovery, on a connection of its own
+        session = await standby.fetchval("SELECT pg_backend_pid()")
+        with pytest.raises(StoreUnavailable, match="recovery"):
+            async with waiters_for(store).watch("sb", "k"):
+                raise AssertionError("listening on a standby")
+        assert await standby.fetchval("SELECT pg_backend_pid()") != session, "not let go"
     finally:
         await standby.close()
         await primary.close()
