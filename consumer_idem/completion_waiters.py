@@ -14,6 +14,7 @@ import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
+from consumer_idem.claim_commit import conn_closed
 from consumer_idem.stores.postgres.migrate import per_schema_name
 from consumer_idem.stores.postgres.store import PostgresStore
 
@@ -89,7 +90,9 @@ class CompletionWaiters:
                 if not events:
                     del self._events[digest]
             if listening:
-                await self._unlisten()
+                # shielded: a waiter cancelled here (a request's timeout) still gives up its
+                # share of the listener, or the connection would stay out of the pool
+                await asyncio.shield(self._unlisten())
 
     def _notified(self, conn: Any, pid: int, channel: str, payload: object) -> None:
         for event in self._events.get(str(payload), ()):
@@ -97,7 +100,7 @@ class CompletionWaiters:
 
     async def _listen(self) -> None:
         async with self._lock:
-            if self._conn is not None and self._conn.is_closed():
+            if self._conn is not None and conn_closed(self._conn):
                 await self._release()  # the listener's connection broke: listen anew
             if self._conn is None:
                 store = self.store
@@ -112,6 +115,9 @@ class CompletionWaiters:
                     error = store.error_for("listen", exc, conn=conn)
                     await self._give_back(conn)
                     raise error from exc
+                except BaseException:  # cancelled while listening: the pool takes it back
+                    await asyncio.shield(self._give_back(conn))
+                    raise
                 self._conn = conn
             self._users += 1
 
@@ -126,7 +132,7 @@ class CompletionWaiters:
         if conn is None:
             return
         try:
-            if not conn.is_closed():
+            if not conn_closed(conn):
                 await conn.remove_listener(self.channel, self._notified)
         except Exception:
             log.debug("UNLISTEN failed", exc_info=True)

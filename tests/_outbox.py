@@ -67,11 +67,16 @@ class Proxy:
         self._writers: set[asyncio.StreamWriter] = set()
         self._drop_on: bytes | None = None
         self.dropped = 0
+        self._delay_on: tuple[bytes, float] | None = None
 
     def drop_on(self, statement: bytes) -> None:
         """Drop the next connection whose client sends bytes holding ``statement`` (they are
         not forwarded): both of its sides are reset."""
         self._drop_on = statement
+
+    def delay_on(self, statement: bytes, seconds: float) -> None:
+        """Hold the next bytes holding ``statement`` back for ``seconds`` (a stalled network)."""
+        self._delay_on = (statement, seconds)
 
     async def start(self) -> int:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.listen_port)
@@ -95,6 +100,9 @@ class Proxy:
                         writer.transport.abort()
                         up_writer.transport.abort()
                         return
+                    if src is reader and self._delay_on is not None and self._delay_on[0] in data:
+                        seconds, self._delay_on = self._delay_on[1], None
+                        await asyncio.sleep(seconds)
                     dst.write(data)
                     await dst.drain()
             except (ConnectionError, OSError):

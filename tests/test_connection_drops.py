@@ -49,7 +49,10 @@ async def cut_store(pg_dsn: str) -> AsyncIterator[tuple[PostgresStore, Proxy]]:
     try:
         yield store, proxy
     finally:
-        await pool.close()
+        try:  # a connection a failed test leaked would keep close() waiting
+            await asyncio.wait_for(pool.close(), 10)
+        except TimeoutError:
+            pool.terminate()
         await proxy.close()
         await direct.execute(f'DROP SCHEMA "{schema}" CASCADE')
         await direct.close()
@@ -85,3 +88,50 @@ async def test_a_listening_connection_dropped_on_its_way_back_to_the_pool_ends_t
             await asyncio.wait_for(settled.wait(), 10)
     finally:
         await notifier.close()
+
+
+async def test_a_new_waiter_listens_anew_after_the_listeners_backend_was_killed(
+    cut_store: tuple[PostgresStore, Proxy], pg_dsn: str
+) -> None:
+    """While one request waits, the backend its listener is on is killed: the pool has taken
+    that connection back; the next waiter must listen on a new one and hear its settlement."""
+    store, _ = cut_store
+    waiters = waiters_for(store)
+    admin = await asyncpg.connect(pg_dsn)
+    try:
+        async with waiters.watch("s", "first"):
+            listener = await admin.fetchval(
+                "SELECT pid FROM pg_stat_activity WHERE query LIKE $1", f"LISTEN%{waiters.channel}%"
+            )
+            assert await admin.fetchval("SELECT pg_terminate_backend($1)", listener)
+            for _ in range(100):  # until the client has seen its connection go
+                if await _listener_gone(store):
+                    break
+                await asyncio.sleep(0.02)
+            async with waiters.watch("s", "k") as settled:
+                await admin.execute(notify_sql(store, "s", "k"))
+                await asyncio.wait_for(settled.wait(), 10)
+    finally:
+        await admin.close()
+
+
+async def _listener_gone(store: PostgresStore) -> bool:
+    try:
+        async with store.pool.acquire(timeout=0.01):
+            return True
+    except TimeoutError:
+        return False
+
+
+async def test_a_waiter_cancelled_while_its_listen_is_on_the_wire_gives_the_connection_back(
+    cut_store: tuple[PostgresStore, Proxy],
+) -> None:
+    """A request's timeout can cancel a waiter in the middle of its LISTEN (a slow network):
+    the connection must still go back to the pool, or a pool of one is gone for good."""
+    store, proxy = cut_store
+    proxy.delay_on(b"LISTEN", 1.0)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.3), waiters_for(store).watch("s", "k"):
+            raise AssertionError("listening before the LISTEN came through")
+    async with store.pool.acquire(timeout=10) as conn:  # back once the LISTEN has come through
+        assert await conn.fetchval("SELECT 1") == 1
